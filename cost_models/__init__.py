@@ -1,0 +1,1 @@
+"""Specs, FLOPs, memory, communication and step-time models (vectorized numpy)."""

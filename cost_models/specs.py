@@ -1,0 +1,301 @@
+"""Model, hardware and workload specs, and their YAML presets.
+
+Specs are data: the presets live in ``cost_models/presets/{models,hardware}``
+as YAML files, and a user can pass the path of a file of the same shape
+instead of a preset name.  Loading validates every key and raises
+:class:`SpecError` (a ``ValueError``) naming the file, the key and what is
+allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class SpecError(ValueError):
+    """A spec name, file or key that cannot be used."""
+
+
+# --------------------------------------------------------------------------- model
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer (dense, or mixture-of-experts).
+
+    Dense FFN layers use ``ffn_hidden``; MoE layers use ``n_experts`` routed
+    experts of width ``moe_ffn_hidden`` (``top_k`` active per token) plus
+    ``n_shared_experts`` always-active experts of the same width.  The first
+    ``n_dense_layers`` layers of an MoE model are dense.  ``attention: mla``
+    (DeepSeek multi-head latent attention) is described by the ``*_lora_rank``
+    and ``*_head_dim`` keys; ``gqa`` by ``n_kv_heads`` and ``head_dim``.
+    """
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    ffn_hidden: int
+    n_kv_heads: int = 0          # 0 -> n_heads (MHA)
+    head_dim: int = 0            # 0 -> dim // n_heads
+    mlp: str = "swiglu"          # swiglu (3 matrices) | gelu (2 matrices)
+    norm: str = "rmsnorm"
+    tie_embeddings: bool = False
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    # attention flavour
+    attention: str = "gqa"       # gqa | mla
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # mixture of experts
+    n_experts: int = 0
+    top_k: int = 0
+    moe_ffn_hidden: int = 0
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    score_func: str = "softmax"  # softmax | sigmoid
+    route_norm: bool = True
+    route_scale: float = 1.0
+    aux_loss_coef: float = 0.0
+    load_balance_bias: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        for k in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden", "n_kv_heads", "head_dim"):
+            if getattr(self, k) < 1:
+                raise SpecError(f"model '{self.name}': key '{k}' must be a positive integer")
+        _choice(f"model '{self.name}'", "mlp", self.mlp, ("swiglu", "gelu"))
+        _choice(f"model '{self.name}'", "norm", self.norm, ("rmsnorm", "layernorm"))
+        _choice(f"model '{self.name}'", "attention", self.attention, ("gqa", "mla"))
+        _choice(f"model '{self.name}'", "score_func", self.score_func, ("softmax", "sigmoid"))
+        if self.n_heads % self.n_kv_heads:
+            raise SpecError(f"model '{self.name}': n_kv_heads ({self.n_kv_heads}) must divide "
+                            f"n_heads ({self.n_heads})")
+        if self.attention == "mla" and (self.kv_lora_rank < 1 or self.qk_nope_head_dim < 1
+                                        or self.qk_rope_head_dim < 1 or self.v_head_dim < 1):
+            raise SpecError(f"model '{self.name}': attention 'mla' needs kv_lora_rank, "
+                            "qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+        if self.n_experts:
+            if self.top_k < 1 or self.top_k > self.n_experts:
+                raise SpecError(f"model '{self.name}': key 'top_k' must be in 1..n_experts "
+                                f"({self.n_experts}), got {self.top_k}")
+            if self.moe_ffn_hidden < 1:
+                raise SpecError(f"model '{self.name}': key 'moe_ffn_hidden' must be set for an MoE model")
+            if not 0 <= self.n_dense_layers <= self.n_layers:
+                raise SpecError(f"model '{self.name}': key 'n_dense_layers' must be in 0..n_layers")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- hardware
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One accelerator type and the nodes it sits in.
+
+    Bandwidths are per device, one direction, in GB/s (1e9 B/s); latencies in
+    microseconds; peak FLOP/s dense (no sparsity).  ``efficiency`` holds the
+    achieved fraction of each peak (GEMM, attention, memory-bound ops, and
+    collectives per link level) that the cost model applies.
+    """
+
+    name: str
+    device: str                  # cuda | cpu | rocm
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    peak_tflops_fp8: float = 0.0  # 0 -> no float8 GEMMs
+    memory_gib: float = 80.0
+    memory_bw_gbs: float = 2000.0
+    gpus_per_node: int = 8
+    intra_node_bw_gbs: float = 300.0
+    intra_node_latency_us: float = 5.0
+    inter_node_bw_gbs: float = 25.0
+    inter_node_latency_us: float = 10.0
+    efficiency: Mapping[str, float] = field(default_factory=dict)
+    memory_reserved_gib: float = 0.0   # runtime context + allocator slack (not usable)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _choice(f"hardware '{self.name}'", "device", self.device, ("cuda", "cpu", "rocm"))
+        for k in ("peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "memory_bw_gbs",
+                  "intra_node_bw_gbs", "inter_node_bw_gbs"):
+            if not getattr(self, k) > 0:
+                raise SpecError(f"hardware '{self.name}': key '{k}' must be > 0")
+        if self.gpus_per_node < 1:
+            raise SpecError(f"hardware '{self.name}': key 'gpus_per_node' must be >= 1")
+        bad = sorted(set(self.efficiency) - set(EFFICIENCY_KEYS))
+        if bad:
+            raise SpecError(f"hardware '{self.name}': unknown efficiency key '{bad[0]}' "
+                            f"(allowed: {', '.join(EFFICIENCY_KEYS)})")
+        for k, v in self.efficiency.items():
+            if not 0 < float(v) <= 1.0:
+                raise SpecError(f"hardware '{self.name}': efficiency '{k}' must be in (0, 1], got {v}")
+        object.__setattr__(self, "efficiency", {**DEFAULT_EFFICIENCY, **dict(self.efficiency)})
+
+    @property
+    def supports_float8(self) -> bool:
+        return self.peak_tflops_fp8 > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["efficiency"] = dict(self.efficiency)
+        return d
+
+
+EFFICIENCY_KEYS = ("gemm", "attention", "fp8_gemm", "memory_bound", "comm_intra", "comm_inter")
+DEFAULT_EFFICIENCY = {"gemm": 0.7, "attention": 0.5, "fp8_gemm": 0.55, "memory_bound": 0.7,
+                      "comm_intra": 0.8, "comm_inter": 0.8}
+
+
+# --------------------------------------------------------------------------- workload
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What is trained per step: sequence length and global batch (sequences).
+
+    ``state_layout`` says how parameters, gradients and optimizer states are
+    held: ``fsdp2`` (this project's executor: fp32 master parameters,
+    gradients and AdamW moments, all sharded over the FSDP ranks, with bf16
+    copies gathered per block) or ``megatron`` (bf16 parameters, fp32 main
+    gradients and parameters, AdamW moments: 18 bytes per parameter, replicated
+    over data parallel unless ``zero`` >= 1 shards the optimizer).
+    """
+
+    seq_len: int
+    global_batch: int            # sequences per optimizer step
+    dtype: str = "bf16"          # compute dtype: bf16 | fp32
+    state_layout: str = "fsdp2"  # fsdp2 | megatron
+    zero: int = 3                # megatron layout only: 0 = nothing sharded, 1 = optimizer sharded
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise SpecError(f"workload key 'seq_len' must be >= 1, got {self.seq_len}")
+        if self.global_batch < 1:
+            raise SpecError(f"workload key 'global_batch' must be >= 1 sequence, got {self.global_batch}")
+        _choice("workload", "dtype", self.dtype, ("bf16", "fp32"))
+        _choice("workload", "state_layout", self.state_layout, ("fsdp2", "megatron"))
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loaders
+def preset_names(kind: str) -> list[str]:
+    return sorted(p.stem for p in (PRESET_DIR / kind).glob("*.yaml"))
+
+
+def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
+    return _load("models", name_or_path, ModelSpec)
+
+
+def load_hardware(name_or_path: str | os.PathLike) -> HardwareSpec:
+    return _load("hardware", name_or_path, HardwareSpec)
+
+
+def model_from_dict(d: Mapping[str, Any], where: str = "model") -> ModelSpec:
+    return _build(ModelSpec, d, where)
+
+
+def hardware_from_dict(d: Mapping[str, Any], where: str = "hardware") -> HardwareSpec:
+    return _build(HardwareSpec, d, where)
+
+
+def _load(kind: str, name_or_path: str | os.PathLike, cls):
+    s = str(name_or_path)
+    path = Path(s)
+    if not (s.endswith((".yaml", ".yml")) or os.sep in s or path.is_file()):
+        path = PRESET_DIR / kind / f"{s}.yaml"
+        if not path.is_file():
+            known = preset_names(kind)
+            close = difflib.get_close_matches(s, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise SpecError(f"unknown {kind[:-1] if kind == 'models' else kind} '{s}'{hint}; "
+                            f"known: {', '.join(known)}; or give the path of a YAML file")
+    if not path.is_file():
+        raise SpecError(f"{kind} file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SpecError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{path}: expected a mapping of keys, got {type(data).__name__}")
+    data = dict(data)
+    data.setdefault("name", path.stem)
+    return _build(cls, data, str(path))
+
+
+def _build(cls, d: Mapping[str, Any], where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise SpecError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(fields))})")
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in d]
+    if missing:
+        raise SpecError(f"{where}: missing key '{missing[0]}'")
+    kwargs = {}
+    for n, v in d.items():
+        kwargs[n] = _coerce(where, n, v, fields[n].type)
+    try:
+        return cls(**kwargs)
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+
+
+def _coerce(where: str, key: str, v: Any, typ: Any) -> Any:
+    t = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    if t == "int":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise SpecError(f"{where}: key '{key}' must be an integer, got {v!r}")
+    elif t == "float":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SpecError(f"{where}: key '{key}' must be a number, got {v!r}")
+        v = float(v)
+    elif t == "bool":
+        if not isinstance(v, bool):
+            raise SpecError(f"{where}: key '{key}' must be true or false, got {v!r}")
+    elif t == "str":
+        if not isinstance(v, str):
+            raise SpecError(f"{where}: key '{key}' must be a string, got {v!r}")
+    elif "Mapping" in t:
+        if not isinstance(v, Mapping):
+            raise SpecError(f"{where}: key '{key}' must be a mapping, got {v!r}")
+        for k2, v2 in v.items():
+            if isinstance(v2, bool) or not isinstance(v2, (int, float)):
+                raise SpecError(f"{where}: key '{key}.{k2}' must be a number, got {v2!r}")
+        v = {str(k2): float(v2) for k2, v2 in v.items()}
+    return v
+
+
+def _choice(where: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SpecError(f"{where}: key '{key}' must be one of {', '.join(allowed)}; got {value!r}")

@@ -1,0 +1,161 @@
+"""A Llama-3-style decoder in plain PyTorch (RoPE, GQA, SwiGLU, RMSNorm, SDPA).
+
+No parallel code lives here: the parallelisms in `executor/parallel/` act on
+this module from outside.  The contract they rely on:
+
+* ``model.tok_embeddings``, ``model.layers`` (an ``nn.ModuleDict`` keyed
+  ``"0".."L-1"``, so a pipeline stage can delete layers and keep the others'
+  names), ``model.norm``, ``model.output``; any of tok_embeddings / norm /
+  output may be set to ``None`` (a pipeline stage), and then the input or
+  output is the hidden state.
+* ``forward(tokens, positions=None)``: ``positions`` (1-D, the sequence
+  positions of this rank's tokens) default to ``arange(tokens.shape[1])``;
+  context parallel and pipeline stages pass them explicitly.
+* Each attention module's core is ``block.attention.sdpa``, a parameter-free
+  module ``(q, k, v) -> out`` on ``[batch, heads, seq, head_dim]`` tensors
+  (k, v with the kv heads); context parallel swaps it for ring attention.
+* Head counts are read from tensor shapes, so column-sharded projections
+  (tensor parallel) work unchanged.
+* No buffers: RoPE tables are computed from ``positions`` on the fly.
+* ``init_rule(fqn)`` gives each parameter's initialization; the executor's
+  initializer applies it to full-size tensors from a per-parameter seed, so
+  the weights do not depend on the layout.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_models.specs import ModelSpec
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [seq, head_dim/2] for rotary embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; rotate interleaved pairs (x0, x1)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return out.flatten(-2)
+
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention; k/v may have fewer (kv) heads."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.wq = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=False)
+        self.wk = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.wv = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=False)
+        self.wo = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=False)
+        self.sdpa = CoreAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or a GELU MLP (w2(gelu(w1 x)))."""
+
+    def __init__(self, dim: int, hidden: int, kind: str = "swiglu"):
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False) if kind == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+def make_norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.dim, eps=spec.norm_eps, bias=False)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, spec: ModelSpec):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = make_norm(spec)
+        self.attention = Attention(spec)
+        self.ffn_norm = make_norm(spec)
+        self.feed_forward = FeedForward(spec.dim, spec.ffn_hidden, spec.mlp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        if spec.is_moe:
+            raise ValueError(f"model '{spec.name}' is a mixture-of-experts model; the dense Transformer "
+                             "cannot build it")
+        if spec.attention != "gqa":
+            raise ValueError(f"model '{spec.name}': attention '{spec.attention}' is not supported by the "
+                             "dense Transformer (only 'gqa')")
+        self.spec = spec
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, spec) for i in range(spec.n_layers)})
+        self.norm = make_norm(spec)
+        self.output = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta,
+                                h.dtype if h.is_floating_point() else torch.float32)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_rule(self, fqn: str) -> tuple[str, float]:
+        """('normal', std) | ('trunc_normal', std) | ('ones', 0) | ('zeros', 0) for a parameter name.
+
+        Embeddings N(0, 1); projections truncated N(0, 0.02); output
+        projections of each block (wo, w2) scaled by 1/sqrt(2*(layer+1))
+        (depth-scaled init as in TorchTitan); the LM head N(0, dim^-1/2);
+        norms ones.
+        """
+        if fqn.endswith("norm.weight"):
+            return ("ones", 0.0)
+        if fqn.startswith("tok_embeddings"):
+            return ("normal", 1.0)
+        if fqn.startswith("output"):
+            return ("trunc_normal", self.spec.dim ** -0.5)
+        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            layer = int(fqn.split(".")[1])
+            return ("trunc_normal", 0.02 / math.sqrt(2 * (layer + 1)))
+        return ("trunc_normal", 0.02)

@@ -1,0 +1,107 @@
+"""`CandidateTable`: many plans as columns of numpy arrays.
+
+The cost models score every candidate at once, so the enumerator produces a
+table (one array per `Plan` field) instead of a list of objects.  String
+knobs are stored as small integer codes into the tuples of `plan.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .plan import AC_MODES, BACKENDS, SCHEDULES, Plan
+
+INT_COLUMNS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "microbatch", "n_microbatches",
+               "stages_per_rank")
+BOOL_COLUMNS = ("reshard_after_forward", "compile", "float8")
+CODE_COLUMNS = {"schedule": SCHEDULES, "ac": AC_MODES, "backend": BACKENDS}
+COLUMNS = INT_COLUMNS + BOOL_COLUMNS + tuple(CODE_COLUMNS)
+
+assert set(COLUMNS) == {f.name for f in dataclasses.fields(Plan)}
+
+
+class CandidateTable:
+    """Columns of equal length; `t.tp` is an int64 array, `t.ac` an int8 code array."""
+
+    __slots__ = ("_cols",)
+
+    def __init__(self, columns: Mapping[str, np.ndarray]):
+        missing = set(COLUMNS) - set(columns)
+        assert not missing, f"missing columns {missing}"
+        n = len(next(iter(columns.values())))
+        cols = {}
+        for k in COLUMNS:
+            a = np.asarray(columns[k])
+            assert a.shape == (n,), (k, a.shape, n)
+            if k in INT_COLUMNS:
+                a = a.astype(np.int64, copy=False)
+            elif k in BOOL_COLUMNS:
+                a = a.astype(bool, copy=False)
+            else:
+                a = a.astype(np.int8, copy=False)
+            cols[k] = a
+        self._cols = cols
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self._cols[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __len__(self) -> int:
+        return len(self._cols["tp"])
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        return dict(self._cols)
+
+    # derived columns used everywhere
+    @property
+    def dp(self) -> np.ndarray:
+        return self._cols["dp_replicate"] * self._cols["dp_shard"]
+
+    @property
+    def world_size(self) -> np.ndarray:
+        c = self._cols
+        return c["dp_replicate"] * c["dp_shard"] * c["pp"] * c["tp"] * c["cp"]
+
+    def is_schedule(self, name: str) -> np.ndarray:
+        return self._cols["schedule"] == SCHEDULES.index(name)
+
+    def is_ac(self, name: str) -> np.ndarray:
+        return self._cols["ac"] == AC_MODES.index(name)
+
+    def take(self, idx) -> "CandidateTable":
+        return CandidateTable({k: v[idx] for k, v in self._cols.items()})
+
+    def plan(self, i: int) -> Plan:
+        kw = {}
+        for k in INT_COLUMNS:
+            kw[k] = int(self._cols[k][i])
+        for k in BOOL_COLUMNS:
+            kw[k] = bool(self._cols[k][i])
+        for k, names in CODE_COLUMNS.items():
+            kw[k] = names[int(self._cols[k][i])]
+        return Plan(**kw)
+
+    def plans(self) -> list[Plan]:
+        return [self.plan(i) for i in range(len(self))]
+
+    @classmethod
+    def from_plans(cls, plans: Iterable[Plan]) -> "CandidateTable":
+        plans = list(plans)
+        cols: dict[str, list] = {k: [] for k in COLUMNS}
+        for p in plans:
+            for k in INT_COLUMNS + BOOL_COLUMNS:
+                cols[k].append(getattr(p, k))
+            for k, names in CODE_COLUMNS.items():
+                cols[k].append(names.index(getattr(p, k)))
+        dtypes = {**{k: np.int64 for k in INT_COLUMNS}, **{k: bool for k in BOOL_COLUMNS},
+                  **{k: np.int8 for k in CODE_COLUMNS}}
+        return cls({k: np.array(v, dtype=dtypes[k]) for k, v in cols.items()})
+
+    @classmethod
+    def concat(cls, tables: list["CandidateTable"]) -> "CandidateTable":
+        return cls({k: np.concatenate([t._cols[k] for t in tables]) for k in COLUMNS})
