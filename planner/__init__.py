@@ -1,0 +1,1 @@
+"""titan-plan: ranking, explanation and (later) measured trials. Never imports torch."""

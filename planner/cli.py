@@ -1,0 +1,329 @@
+"""`titan-plan`: choose how to split a model over N accelerators.
+
+    titan-plan [plan] --model llama3-70b --gpus 256 --hardware h100-sxm \\
+               --seq-len 8192 --global-batch-tokens 4M
+    titan-plan estimate --model llama3-405b --gpus 16384 --hardware h100-sxm \\
+               --tp 8 --pp 16 --dp-shard 128 --ac full --schedule Interleaved1F1B --stages-per-rank 2
+    titan-plan list models|hardware|spaces
+
+The planner never imports torch (it must answer for 16,384 devices in well
+under a second); it reaches the executor only through plan.yaml.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+SUBCOMMANDS = ("plan", "estimate", "list")
+EXIT_USAGE = 2
+
+
+class UsageError(ValueError):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["plan"] + argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from cost_models.specs import SpecError
+    from search_spaces.plan import PlanError
+    from search_spaces.space import SpaceError
+
+    from .rank import PlanningError
+    try:
+        return args.func(args)
+    except (SpecError, PlanError, SpaceError, PlanningError, UsageError) as e:
+        print(f"titan-plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return 0
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="titan-plan",
+        description="Enumerate every DP x PP x TP x CP x EP layout (plus micro-batch, pipeline schedule, "
+                    "activation checkpointing, FSDP resharding, compile, float8) of a model over N devices, "
+                    "score them with analytic memory and time models, and write the best as plan.yaml.",
+        epilog="Subcommands: plan (default), estimate, list. 'titan-plan SUBCOMMAND --help' for details.")
+    sub = p.add_subparsers(dest="command")
+
+    pp = sub.add_parser("plan", help="rank all layouts and write the best (default)",
+                        description="Rank every legal layout and write the best one to plan.yaml.")
+    _common(pp)
+    pp.add_argument("--space", help="search space: dense, moe, long_context or a YAML path "
+                                    "(default: moe for MoE models, long_context from 32K tokens, else dense)")
+    pp.add_argument("--top", type=int, default=10, help="how many candidates to print (default 10)")
+    pp.add_argument("--out", default="plan.yaml", help="where to write the chosen plan (default plan.yaml)")
+    pp.add_argument("--no-write", action="store_true", help="do not write a plan file")
+    pp.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    pp.add_argument("--plot", metavar="PNG", help="also save a Pareto plot (tokens/s vs peak memory); "
+                                                  "needs the 'plot' extra (matplotlib)")
+    pp.add_argument("--memory-margin", type=float, default=0.0,
+                    help="keep this fraction of usable memory free (default 0.0)")
+    pp.set_defaults(func=cmd_plan)
+
+    pe = sub.add_parser("estimate", help="predict one given layout (what-if), with breakdowns",
+                        description="Predict step time, throughput, MFU and memory of one layout, from a "
+                                    "plan file or from flags, e.g. to check a published configuration.")
+    _common(pe)
+    pe.add_argument("--plan", dest="plan_file", help="read the layout (and model/hardware/workload) from "
+                                                     "this plan file; flags given override it")
+    for k, h in (("dp-replicate", "HSDP replica groups"), ("dp-shard", "FSDP shard degree (default: "
+                 "what remains of the world)"), ("pp", "pipeline degree"), ("tp", "tensor-parallel degree"),
+                 ("cp", "context-parallel degree"), ("ep", "expert-parallel degree (within dp_shard*cp)"),
+                 ("microbatch", "sequences per micro-batch"), ("stages-per-rank", "pipeline stages per rank")):
+        pe.add_argument(f"--{k}", type=int, help=h)
+    pe.add_argument("--schedule", help="GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble or DualPipeV")
+    pe.add_argument("--ac", help="activation checkpointing: none, selective or full")
+    pe.add_argument("--reshard", dest="reshard_after_forward", action=argparse.BooleanOptionalAction,
+                    default=None, help="FSDP reshard after forward (default yes)")
+    pe.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile")
+    pe.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None, help="float8 linears")
+    pe.add_argument("--json", action="store_true", help="print JSON")
+    pe.set_defaults(func=cmd_estimate)
+
+    pl = sub.add_parser("list", help="list presets", description="List model, hardware or space presets.")
+    pl.add_argument("what", choices=("models", "hardware", "spaces"))
+    pl.set_defaults(func=cmd_list)
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model preset name or YAML path (default llama3-debug; "
+                                   "'titan-plan list models')")
+    p.add_argument("--gpus", type=int, help="number of devices (default: this machine's)")
+    p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's)")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: from the hardware spec)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: 8192, or 256 for debug models)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--global-batch-tokens", help="tokens per optimizer step; K/M/G suffixes are binary "
+                                                 "(4M = 4*2^20) (default: about 1M tokens)")
+    g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default bf16; fp32 on CPU)")
+    p.add_argument("--calibration", help="calibration file from 'titan-plan calibrate'")
+
+
+# --------------------------------------------------------------------------- inputs
+def parse_tokens(s: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", s)
+    if not m:
+        raise UsageError(f"--global-batch-tokens: cannot read {s!r} (examples: 4M, 1048576, 512K)")
+    mult = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}[m.group(2).lower()]
+    v = float(m.group(1)) * mult
+    if v < 1 or v != int(v):
+        raise UsageError(f"--global-batch-tokens: {s!r} is not a whole number of tokens")
+    return int(v)
+
+
+def resolve_inputs(args, defaults: dict | None = None):
+    """model, hardware, workload, world size and devices per node, from flags (then `defaults`)."""
+    from cost_models.coefficients import Coefficients
+    from cost_models.specs import Workload, load_hardware, load_model
+
+    from .local import detect_local_devices
+
+    d = defaults or {}
+    model = load_model(args.model or d.get("model") or "llama3-debug")
+    local = None
+    hw_name = args.hardware or d.get("hardware")
+    gpus = args.gpus or d.get("gpus")
+    if hw_name is None or gpus is None:
+        local = detect_local_devices()
+        hw_name = hw_name or local.hardware
+        gpus = gpus or local.count
+    hw = load_hardware(hw_name)
+    if gpus < 1:
+        raise UsageError(f"--gpus must be >= 1, got {gpus}")
+    gpn = args.gpus_per_node or d.get("gpus_per_node") or (
+        gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
+    small = _n_params_estimate(model) < 1e8
+    seq_len = args.seq_len or (d.get("workload") or {}).get("seq_len") or (256 if small else min(8192, model.max_seq_len))
+    wl = d.get("workload") or {}
+    if args.global_batch:
+        gb = args.global_batch
+    elif args.global_batch_tokens:
+        tokens = parse_tokens(args.global_batch_tokens)
+        if tokens % seq_len:
+            raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {seq_len}")
+        gb = tokens // seq_len
+    elif wl.get("global_batch"):
+        gb = int(wl["global_batch"])
+    else:  # default: about 1M tokens for real models, 8 sequences per device for debug models
+        gb = 8 * gpus if small else max(1, 2 ** 20 // seq_len)
+    dtype = args.dtype or wl.get("dtype") or ("fp32" if hw.device == "cpu" else "bf16")
+    workload = Workload(seq_len=seq_len, global_batch=gb, dtype=dtype,
+                        state_layout=wl.get("state_layout", "fsdp2"), zero=int(wl.get("zero", 3)))
+    coeffs = Coefficients.load(args.calibration) if args.calibration else None
+    return model, hw, workload, gpus, gpn, coeffs, local
+
+
+def _n_params_estimate(model) -> float:
+    return model.n_layers * 12 * model.dim ** 2 + 2 * model.vocab_size * model.dim
+
+
+def _default_space(model, workload) -> str:
+    if model.is_moe:
+        return "moe"
+    return "long_context" if workload.seq_len >= 32768 else "dense"
+
+
+def _model_ref(args, d=None) -> str:
+    return args.model or (d or {}).get("model") or "llama3-debug"
+
+
+# --------------------------------------------------------------------------- plan
+def cmd_plan(args) -> int:
+    from search_spaces.planfile import write_plan_file
+    from search_spaces.space import load_space
+
+    from . import report
+    from .rank import plan_candidates
+
+    t0 = time.perf_counter()
+    model, hw, workload, gpus, gpn, coeffs, local = resolve_inputs(args)
+    space = load_space(args.space or _default_space(model, workload))
+    res = plan_candidates(space, model, hw, workload, world_size=gpus, gpus_per_node=gpn, coeffs=coeffs,
+                          memory_margin=args.memory_margin)
+    elapsed = time.perf_counter() - t0
+    best = res.best()  # raises PlanningError with the reason when nothing fits
+    top = res.order[: max(1, args.top)]
+    inputs = {"model": _model_ref(args), "hardware": args.hardware or hw.name, "gpus": gpus,
+              "gpus_per_node": gpn, "space": space.name, "seq_len": workload.seq_len,
+              "global_batch": workload.global_batch, "global_batch_tokens": workload.global_batch_tokens,
+              "dtype": workload.dtype, "calibration": args.calibration,
+              "local_devices": local.description if local else None}
+    contents = {
+        "model": _model_ref(args),
+        "hardware": args.hardware or hw.name,
+        "workload": workload.to_dict(),
+        "plan": res.table.plan(best),
+        "predicted": report.predicted(res.est, best),
+        "inputs": inputs,
+        "provenance": report.provenance(["titan-plan"] + sys.argv[1:], res.n_candidates),
+    }
+    if not args.no_write:
+        write_plan_file(args.out, contents)
+    if args.plot:
+        from .plot import pareto_plot
+        pareto_plot(res, args.plot, title=f"{model.name} on {gpus} x {hw.name}")
+    if args.json:
+        doc = {"inputs": inputs, "n_candidates": res.n_candidates, "n_feasible": res.n_feasible,
+               "rejected": [{"reason": r.reason, "count": r.count, "unit": r.unit} for r in res.rejected],
+               "top": report.candidate_rows(res.table, res.est, top),
+               "pareto": report.candidate_rows(res.table, res.est, res.pareto),
+               "chosen": contents["plan"].to_dict(), "plan_file": None if args.no_write else args.out,
+               "elapsed_s": round(elapsed, 4)}
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{model.name} on {gpus} x {hw.name} ({gpn} per node), seq_len {workload.seq_len}, "
+          f"global batch {workload.global_batch} sequences = {workload.global_batch_tokens:,} tokens, "
+          f"{workload.dtype}" + (f"  [local: {local.description}]" if local else ""))
+    print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
+          f"{res.n_feasible:,} feasible ({space.name} space)")
+    print()
+    print(report.format_table(res.table, res.est, top, title=f"top {len(top)} (fastest first):"))
+    print()
+    if res.rejected:
+        print("rejected:")
+        for r in res.rejected:
+            print(f"  {r.count:>9,} {r.unit}: {r.reason}")
+        print()
+    print("chosen plan breakdown:")
+    print(report.format_breakdown(res.est, best))
+    if not args.no_write:
+        print(f"\nwrote {args.out}  (train with: titan-run --plan {args.out})")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# --------------------------------------------------------------------------- estimate
+def cmd_estimate(args) -> int:
+    from cost_models.estimate import estimate
+    from search_spaces.constraints import Target, check_plan
+    from search_spaces.plan import Plan, PlanError
+    from search_spaces.planfile import read_plan_file
+    from search_spaces.table import CandidateTable
+
+    from . import report
+
+    base: dict = {}
+    d: dict = {}
+    if args.plan_file:
+        pf = read_plan_file(args.plan_file)
+        base = pf["plan"].to_dict()
+        inputs = pf.get("inputs") or {}
+        d = {"model": pf.get("model"), "hardware": pf.get("hardware"), "workload": pf.get("workload"),
+             "gpus": inputs.get("gpus") or pf["plan"].world_size, "gpus_per_node": inputs.get("gpus_per_node")}
+    model, hw, workload, gpus, gpn, coeffs, _ = resolve_inputs(args, d)
+    layout = dict(base)
+    for key in ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "microbatch", "stages_per_rank", "schedule",
+                "ac", "reshard_after_forward", "compile", "float8"):
+        v = getattr(args, key, None)
+        if v is not None:
+            layout[key] = v
+    for key in ("dp_replicate", "pp", "tp", "cp", "ep", "microbatch"):
+        layout.setdefault(key, 1)
+    if "schedule" in layout and "stages_per_rank" not in layout:
+        layout["stages_per_rank"] = {"Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}.get(layout["schedule"], 1)
+    rest = layout["dp_replicate"] * layout["pp"] * layout["tp"] * layout["cp"]
+    if args.dp_shard is None and not base:
+        if gpus % rest:
+            raise PlanError(f"dp_replicate*pp*tp*cp = {rest} does not divide --gpus {gpus}")
+        layout["dp_shard"] = gpus // rest
+    layout.setdefault("dp_shard", 1)
+    dp = layout["dp_replicate"] * layout["dp_shard"]
+    if workload.global_batch % (dp * layout["microbatch"]):
+        raise PlanError(f"global batch {workload.global_batch} sequences is not divisible by "
+                        f"dp*microbatch = {dp}*{layout['microbatch']}")
+    layout["n_microbatches"] = workload.global_batch // (dp * layout["microbatch"])
+    plan = Plan.from_dict(layout)
+    plan.check_world(gpus)
+    target = Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
+                       gpus_per_node=gpn, float8_supported=hw.supports_float8)
+    problems = check_plan(plan, target, tp_within_node=False)
+    if problems:
+        raise PlanError(f"layout is not legal: {problems[0][1]}")
+    est = estimate(CandidateTable.from_plans([plan]), model, hw, workload, coeffs)
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
+                          "workload": workload.to_dict(), "predicted": report.predicted(est, 0)}, indent=2))
+        return 0
+    print(f"{model.name} on {gpus} x {hw.name}: {report.layout_str(plan)}  {report.knobs_str(plan)}")
+    print(f"seq_len {workload.seq_len}, global batch {workload.global_batch} sequences, {workload.dtype}")
+    print(report.format_breakdown(est, 0))
+    return 0
+
+
+# --------------------------------------------------------------------------- list
+def cmd_list(args) -> int:
+    from cost_models.specs import load_hardware, load_model, preset_names
+    from search_spaces.space import load_space, space_names
+
+    if args.what == "models":
+        for n in preset_names("models"):
+            m = load_model(n)
+            kind = f"MoE {m.n_experts}e top{m.top_k}" if m.is_moe else "dense"
+            print(f"{n:<18} {kind:<16} layers {m.n_layers:<4} dim {m.dim:<6} heads {m.n_heads}/{m.n_kv_heads}")
+    elif args.what == "hardware":
+        for n in preset_names("hardware"):
+            h = load_hardware(n)
+            print(f"{n:<10} {h.peak_tflops_bf16:>7.0f} TFLOP/s bf16  {h.memory_gib:>5.0f} GiB  "
+                  f"{h.gpus_per_node}/node  intra {h.intra_node_bw_gbs:g} GB/s  inter {h.inter_node_bw_gbs:g} GB/s")
+    else:
+        for n in space_names():
+            print(f"{n:<14} {load_space(n).description.strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

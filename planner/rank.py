@@ -1,0 +1,86 @@
+"""Score every candidate, drop the infeasible ones (with the reason), rank, Pareto front."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cost_models.coefficients import Coefficients
+from cost_models.estimate import Estimates, estimate
+from cost_models.specs import HardwareSpec, ModelSpec, Workload
+from search_spaces import constraints as C
+from search_spaces.enumerate import Enumeration, Rejection, enumerate_plans
+from search_spaces.space import SearchSpace
+from search_spaces.table import CandidateTable
+
+
+class PlanningError(ValueError):
+    """The question has no answer (no layout fits, ...); the message says why."""
+
+
+@dataclass
+class PlanningResult:
+    table: CandidateTable           # every enumerated candidate
+    est: Estimates                  # their estimates (same order)
+    order: np.ndarray               # indices of feasible candidates, best first
+    pareto: np.ndarray              # indices on the tokens/s vs peak-memory front, by memory
+    rejected: list[Rejection] = field(default_factory=list)
+    n_layouts: int = 0
+
+    @property
+    def n_candidates(self) -> int:
+        return len(self.table)
+
+    @property
+    def n_feasible(self) -> int:
+        return len(self.order)
+
+    def best(self) -> int:
+        if not len(self.order):
+            raise PlanningError(self.why_nothing_fits())
+        return int(self.order[0])
+
+    def why_nothing_fits(self) -> str:
+        if self.n_candidates == 0:
+            reasons = sorted(self.rejected, key=lambda r: -r.count)
+            top = "; ".join(f"{r.count} {r.unit}: {r.reason}" for r in reasons[:3]) or "empty search space"
+            return f"no layout is legal for this world size and model ({top})"
+        i = int(np.argmin(self.est.peak_memory_bytes))
+        return (f"no layout fits in memory: the smallest needs {self.est.peak_memory_bytes[i] / 2**30:.1f} GiB "
+                f"per device, {self.est.capacity_bytes / 2**30:.1f} GiB usable "
+                f"(try more devices, a longer pipeline, or a smaller micro-batch/global batch)")
+
+
+def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
+                    world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
+                    memory_margin: float = 0.0) -> PlanningResult:
+    """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin)."""
+    target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
+                         global_batch=workload.global_batch,
+                         gpus_per_node=gpus_per_node or hw.gpus_per_node,
+                         float8_supported=hw.supports_float8 and hw.device != "cpu")
+    en: Enumeration = enumerate_plans(space, target)
+    est = estimate(en.table, model, hw, workload, coeffs)
+    limit = est.capacity_bytes * (1.0 - memory_margin)
+    fits = est.peak_memory_bytes <= limit
+    rejected = list(en.rejected)
+    n_oom = int((~fits).sum())
+    if n_oom:
+        rejected.append(Rejection(C.R_MEMORY, n_oom, "candidates"))
+    idx = np.flatnonzero(fits)
+    # best first: shortest step (the global batch is fixed, so = most tokens/s), then least memory
+    order = idx[np.lexsort((est.peak_memory_bytes[idx], est.step_time_s[idx]))]
+    return PlanningResult(table=en.table, est=est, order=order, pareto=pareto_front(est, idx),
+                          rejected=rejected, n_layouts=en.n_layouts)
+
+
+def pareto_front(est: Estimates, idx: np.ndarray) -> np.ndarray:
+    """Candidates in `idx` that no other has both more tokens/s and less peak memory; by memory."""
+    if not len(idx):
+        return idx
+    mem, tps = est.peak_memory_bytes[idx], est.tokens_per_s[idx]
+    by_mem = np.lexsort((-tps, mem))              # memory ascending, then tokens/s descending
+    best_so_far = np.maximum.accumulate(tps[by_mem])
+    prev_best = np.concatenate(([-np.inf], best_so_far[:-1]))
+    keep = tps[by_mem] > prev_best
+    return idx[by_mem[keep]]

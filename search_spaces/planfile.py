@@ -1,0 +1,86 @@
+"""`plan.yaml`: the one hand-off from the planner to the executor.
+
+Shape (top-level keys)::
+
+    model: llama3-70b              # preset name or path of a model YAML
+    hardware: h100-sxm             # preset name or path (optional for the executor)
+    workload: {seq_len: 8192, global_batch: 512, dtype: bf16, state_layout: fsdp2}
+    plan: {dp_replicate: 1, dp_shard: 32, pp: 1, tp: 8, ...}   # a `Plan`
+    train: {steps: 100, lr: 3e-4, ...}                           # optional, executor settings
+    predicted: {...}               # the planner's figures (informational)
+    measured: {...}                # trial figures, when trials ran
+    inputs: {...}                  # what the planner was asked
+    provenance: {...}              # tool, version, time
+
+Only ``plan`` and ``model`` are required; unknown top-level keys are refused
+by name so a typo does not silently drop a setting.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .plan import Plan, PlanError
+
+TOP_LEVEL_KEYS = ("model", "hardware", "workload", "plan", "train", "predicted", "measured", "inputs",
+                  "provenance")
+
+
+def read_plan_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse and check a plan file; returns its mapping with ``plan`` as a `Plan`."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"plan file '{p}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise PlanError(f"{p}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
+    return plan_file_from_dict(data, where=str(p))
+
+
+def plan_file_from_dict(data: Any, *, where: str = "plan file") -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{where}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise PlanError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(TOP_LEVEL_KEYS)})")
+    if "plan" not in data:
+        raise PlanError(f"{where}: missing key 'plan'")
+    if "model" not in data:
+        raise PlanError(f"{where}: missing key 'model'")
+    out = dict(data)
+    out["plan"] = Plan.from_dict(data["plan"], where=f"{where}: plan")
+    for key in ("workload", "train", "predicted", "measured", "inputs", "provenance"):
+        if key in out and out[key] is not None and not isinstance(out[key], Mapping):
+            raise PlanError(f"{where}: key '{key}' must be a mapping")
+    return out
+
+
+def write_plan_file(path: str | os.PathLike, contents: Mapping[str, Any]) -> None:
+    """Write atomically (temp file then rename) so a reader never sees half a plan."""
+    data = dict(contents)
+    if isinstance(data.get("plan"), Plan):
+        data["plan"] = data["plan"].to_dict()
+    plan_file_from_dict({**data, "plan": data["plan"]}, where="plan to write")
+    ordered = {k: data[k] for k in TOP_LEVEL_KEYS if k in data}
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(_plain(ordered), sort_keys=False, default_flow_style=False))
+    os.replace(tmp, p)
+
+
+def _plain(x: Any) -> Any:
+    """numpy scalars and tuples -> plain YAML types."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):
+        return x.item()
+    return x
