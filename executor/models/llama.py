@@ -17,6 +17,8 @@ this module from outside.  The contract they rely on:
 * Head counts are read from tensor shapes, so column-sharded projections
   (tensor parallel) work unchanged.
 * No buffers: RoPE tables are computed from ``positions`` on the fly.
+* Mixture-of-experts specs get `moe.MoEFeedForward` as ``block.feed_forward``
+  in the layers after the first ``n_dense_layers`` (``block.moe_enabled``).
 * ``init_rule(fqn)`` gives each parameter's initialization; the executor's
   initializer applies it to full-size tensors from a per-parameter seed, so
   the weights do not depend on the layout.
@@ -108,7 +110,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = make_norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = make_norm(spec)
-        self.feed_forward = FeedForward(spec.dim, spec.ffn_hidden, spec.mlp)
+        self.moe_enabled = spec.is_moe and layer_id >= spec.n_dense_layers
+        if self.moe_enabled:
+            from .moe import MoEFeedForward  # noqa: PLC0415
+            self.feed_forward = MoEFeedForward(spec)
+        else:
+            self.feed_forward = FeedForward(spec.dim, spec.ffn_hidden, spec.mlp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -118,12 +125,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        if spec.is_moe:
-            raise ValueError(f"model '{spec.name}' is a mixture-of-experts model; the dense Transformer "
-                             "cannot build it")
         if spec.attention != "gqa":
             raise ValueError(f"model '{spec.name}': attention '{spec.attention}' is not supported by the "
-                             "dense Transformer (only 'gqa')")
+                             "executor's Transformer yet (only 'gqa')")
         self.spec = spec
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, spec) for i in range(spec.n_layers)})
@@ -151,11 +155,14 @@ class Transformer(nn.Module):
         """
         if fqn.endswith("norm.weight"):
             return ("ones", 0.0)
+        if fqn.endswith("router.expert_bias"):
+            return ("zeros", 0.0)
         if fqn.startswith("tok_embeddings"):
             return ("normal", 1.0)
         if fqn.startswith("output"):
             return ("trunc_normal", self.spec.dim ** -0.5)
-        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2",
+                         "shared_experts.w2.weight")):
             layer = int(fqn.split(".")[1])
             return ("trunc_normal", 0.02 / math.sqrt(2 * (layer + 1)))
         return ("trunc_normal", 0.02)

@@ -1,0 +1,50 @@
+"""Planner speed: llama3-405b on 16,384 H100 with the full default (dense) space.
+
+Targets: enumeration + scoring <= 1 s in-process; the CLI <= 2 s cold.
+Prints medians of several runs; the last line is the headline.
+"""
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+ARGS = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
+        "--global-batch-tokens", "16M"]
+
+
+def in_process(repeats: int = 5) -> tuple[float, int, int]:
+    from cost_models.specs import Workload, load_hardware, load_model
+    from planner.rank import plan_candidates
+    from search_spaces.space import load_space
+
+    model, hw = load_model("llama3-405b"), load_hardware("h100-sxm")
+    wl = Workload(seq_len=8192, global_batch=16 * 2 ** 20 // 8192)
+    space = load_space("dense")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = plan_candidates(space, model, hw, wl, world_size=16384)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), res.n_candidates, res.n_feasible
+
+
+def cold_cli(repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "planner.cli", *ARGS, "--no-write"], capture_output=True,
+                           text=True)
+        times.append(time.perf_counter() - t0)
+        if r.returncode:
+            raise SystemExit(f"titan-plan failed: {r.stderr}")
+    return statistics.median(times)
+
+
+if __name__ == "__main__":
+    t_in, n, feas = in_process()
+    print(f"in-process enumerate+score: {n:,} candidates ({feas:,} feasible), median {t_in:.3f} s")
+    t_cli = cold_cli()
+    print(f"CLI cold (new interpreter, incl. imports and printing): median {t_cli:.3f} s")
+    print(f"RESULT planner_405b_16384: in-process {t_in:.3f} s (target <= 1 s), CLI {t_cli:.3f} s (target <= 2 s)")

@@ -1,0 +1,129 @@
+"""Mixture-of-experts feed-forward (DeepSeek-V3 / Qwen3-MoE style), plain PyTorch.
+
+* `Router`: scores = softmax or sigmoid(x W_g); top-k experts per token chosen
+  on the scores (plus, with the auxiliary-loss-free option, a per-expert bias
+  that only affects the choice — DeepSeek-V3, arXiv:2412.19437 Sec. 2.1.2);
+  the gate weights are the chosen scores, optionally renormalized and scaled.
+  The switch-style auxiliary load-balancing loss ``E * sum_i f_i * P_i``
+  (Fedus et al. 2021, Eq. 4) is kept in ``router.aux_loss`` for the loop.
+* `GroupedExperts`: the routed experts' SwiGLU weights stored as grouped
+  tensors ``w1, w3: [E, dim, hidden]``, ``w2: [E, hidden, dim]``, applied to
+  tokens sorted by expert with one grouped matmul (``torch._grouped_mm`` on
+  GPUs that have it, else a padded batched matmul) — no Python loop over
+  experts. Dropless: every token reaches its experts.
+* `MoEFeedForward`: router -> sort tokens by expert -> ``self.experts`` ->
+  weighted combine, plus always-active shared experts.
+
+Expert parallelism (executor/parallel/) wraps ``moe.experts`` from outside:
+it receives tokens sorted by global expert id with the per-expert counts,
+exchanges them with all-to-all so each rank runs its local experts, and sends
+the results back. No parallel code here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_models.specs import ModelSpec
+
+
+class Router(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.n_experts, self.top_k = spec.n_experts, spec.top_k
+        self.score_func, self.route_norm, self.route_scale = spec.score_func, spec.route_norm, spec.route_scale
+        self.gate = nn.Linear(spec.dim, spec.n_experts, bias=False)
+        self.use_bias = spec.load_balance_bias
+        # expert_bias is adjusted outside autograd (aux-loss-free balancing); it is a
+        # non-trainable parameter so that it is checkpointed and sharded like one.
+        self.expert_bias = nn.Parameter(torch.zeros(spec.n_experts), requires_grad=False) if self.use_bias else None
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [tokens, dim] -> (weights [tokens, k], expert ids [tokens, k])."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choose = scores + self.expert_bias if self.expert_bias is not None else scores
+        _, idx = choose.topk(self.top_k, dim=-1)
+        w = scores.gather(-1, idx)
+        if self.route_norm and self.top_k > 1:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * self.route_scale
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
+        self.tokens_per_expert = counts.detach()
+        # Switch-Transformer load-balancing loss: E * sum_i f_i * P_i
+        f = counts.to(scores.dtype) / idx.numel()
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        self.aux_loss = self.n_experts * (f.detach() * p).sum()
+        return w.to(x.dtype), idx
+
+
+def _grouped_mm_available(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as grouped weights; forward on tokens sorted by expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [T, dim] sorted by expert; counts: [E_local] tokens per (local) expert."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if hasattr(w1, "to_local"):  # DTensor weights (EP/FSDP): compute on the local experts
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        if x.shape[0] == 0:
+            return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+        if _grouped_mm_available(x):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+            return torch._grouped_mm(h, w2, offs=offs)
+        return _padded_bmm_swiglu(x, counts, w1, w2, w3)
+
+
+def _padded_bmm_swiglu(x, counts, w1, w2, w3):
+    """Scatter tokens into [E, max_count, dim], one bmm per matrix, gather back."""
+    e = counts.shape[0]
+    counts = counts.to(torch.int64)
+    cap = int(counts.max())
+    expert_of = torch.repeat_interleave(torch.arange(e, device=x.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of]
+    padded = x.new_zeros(e, cap, x.shape[-1])
+    padded[expert_of, slot] = x
+    h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    out = torch.bmm(h, w2)
+    return out[expert_of, slot]
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        from .llama import FeedForward  # noqa: PLC0415 (shared SwiGLU)
+
+        self.router = Router(spec)
+        self.experts = GroupedExperts(spec.n_experts, spec.dim, spec.moe_ffn_hidden)
+        self.shared_experts = (FeedForward(spec.dim, spec.moe_ffn_hidden * spec.n_shared_experts)
+                               if spec.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, idx = self.router(x)                           # [T, k]
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)                # sort (token, slot) pairs by expert
+        token_of = order // idx.shape[1]
+        counts = torch.bincount(flat, minlength=self.router.n_experts)
+        routed = self.experts(x[token_of], counts)              # [T*k, dim], sorted by expert
+        routed = routed * weights.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(x).index_add_(0, token_of, routed.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)
