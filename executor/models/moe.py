@@ -75,17 +75,20 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [T, dim] sorted by expert; counts: [E_local] tokens per (local) expert."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        if hasattr(w1, "to_local"):  # DTensor weights (EP/FSDP): compute on the local experts
-            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
-        if x.shape[0] == 0:
-            return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
-        if _grouped_mm_available(x):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-            return torch._grouped_mm(h, w2, offs=offs)
-        return _padded_bmm_swiglu(x, counts, w1, w2, w3)
+        """x: [T, dim] sorted by expert; counts: [E] tokens per expert."""
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert on its contiguous run of `x` (runs given by `counts`)."""
+    if x.shape[0] == 0:  # keep the weights in the graph so every rank's backward matches
+        return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+    if _grouped_mm_available(x):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)
+    return _padded_bmm_swiglu(x, counts, w1, w2, w3)
 
 
 def _padded_bmm_swiglu(x, counts, w1, w2, w3):
