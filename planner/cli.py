@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-SUBCOMMANDS = ("plan", "estimate", "list")
+SUBCOMMANDS = ("plan", "estimate", "list", "profile")
 EXIT_USAGE = 2
 
 
@@ -90,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None, help="float8 linears")
     pe.add_argument("--json", action="store_true", help="print JSON")
     pe.set_defaults(func=cmd_estimate)
+
+    pf = sub.add_parser("profile", help="measure this machine and write a hardware spec",
+                        description="Microbenchmark this machine (GEMM throughput by shape, memory bandwidth, "
+                                    "all-reduce/all-gather/reduce-scatter/all-to-all/point-to-point bandwidth and "
+                                    "latency by group and message size) in a torchrun subprocess, fit them, and "
+                                    "write a hardware spec usable as --hardware PATH.")
+    pf.add_argument("--nproc", type=int, help="processes (default: this machine's device count)")
+    pf.add_argument("--out", default="hardware-local.yaml", help="spec to write (default hardware-local.yaml)")
+    pf.add_argument("--base", help="preset for figures one node cannot measure (default: this machine's)")
+    pf.add_argument("--name", help="name in the spec (default: the base preset's name)")
+    pf.add_argument("--max-bytes", type=int, default=16 * 2 ** 20, help="largest message (default 16 MiB)")
+    pf.add_argument("--raw", help="also keep the raw measurements (JSON) here")
+    pf.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds, not minutes)")
+    pf.set_defaults(func=cmd_profile)
 
     pl = sub.add_parser("list", help="list presets", description="List model, hardware or space presets.")
     pl.add_argument("what", choices=("models", "hardware", "spaces"))
@@ -301,6 +315,32 @@ def cmd_estimate(args) -> int:
     print(f"{model.name} on {gpus} x {hw.name}: {report.layout_str(plan)}  {report.knobs_str(plan)}")
     print(f"seq_len {workload.seq_len}, global batch {workload.global_batch} sequences, {workload.dtype}")
     print(report.format_breakdown(est, 0))
+    return 0
+
+
+# --------------------------------------------------------------------------- profile
+def cmd_profile(args) -> int:
+    from .local import detect_local_devices
+    from .profile import run_profile
+
+    local = detect_local_devices()
+    nproc = args.nproc or local.count
+    if nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
+    base = args.base or local.hardware
+    try:
+        res = run_profile(nproc=nproc, out=args.out, base=base, name=args.name or base, quick=args.quick,
+                          max_bytes=args.max_bytes, raw_out=args.raw)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    spec = res["spec"]
+    print(f"{local.description}: {nproc} process(es)")
+    print(f"  GEMM peak {spec['peak_tflops_fp32' if spec['device'] == 'cpu' else 'peak_tflops_bf16']} TFLOP/s, "
+          f"median efficiency {spec['efficiency']['gemm']}, memory bandwidth {spec['memory_bw_gbs']} GB/s")
+    for op, f in res["collective_fits"].items():
+        print(f"  {op:<15} {f['bw_bytes_per_s'] / 1e9:8.3f} GB/s  latency {f['latency_s'] * 1e6:8.1f} us  "
+              f"(fit error median {f['median_abs_pct_err']:.0f}%, {f['points']} points)")
+    print(f"wrote {args.out}  (use: titan-plan --hardware {args.out})")
     return 0
 
 
