@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-SUBCOMMANDS = ("plan", "estimate", "list", "profile")
+SUBCOMMANDS = ("plan", "estimate", "list", "profile", "calibrate")
 EXIT_USAGE = 2
 
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["plan"] + argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    from cost_models.coefficients import CoefficientsError
     from cost_models.specs import SpecError
     from search_spaces.plan import PlanError
     from search_spaces.space import SpaceError
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from .rank import PlanningError
     try:
         return args.func(args)
-    except (SpecError, PlanError, SpaceError, PlanningError, UsageError) as e:
+    except (SpecError, PlanError, SpaceError, PlanningError, CoefficientsError, UsageError) as e:
         print(f"titan-plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
@@ -69,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "needs the 'plot' extra (matplotlib)")
     pp.add_argument("--memory-margin", type=float, default=0.0,
                     help="keep this fraction of usable memory free (default 0.0)")
+    t = pp.add_argument_group("measured trials (short real runs of the best candidates through titan-run)")
+    t.add_argument("--trials", type=int, default=0, metavar="N", help="run N trials (default 0: analytic only)")
+    t.add_argument("--trial-steps", type=int, default=6, help="steps per trial, the first 2 untimed (default 6)")
+    t.add_argument("--trial-timeout", type=float, default=300.0, help="seconds before a trial is killed (default 300)")
+    t.add_argument("--storage", default="sqlite:///titan-trials.db",
+                   help="Optuna storage URL (default sqlite:///titan-trials.db); a study resumes from it")
+    t.add_argument("--study-name", help="study name (default: from model, hardware and device count)")
+    t.add_argument("--launcher", help="command template for a trial, with {plan} {run_dir} {steps} {nproc} "
+                                      "(e.g. an srun line); default: titan-run on this node")
+    t.add_argument("--run-root", default="runs/trials", help="where trial run folders go (default runs/trials)")
     pp.set_defaults(func=cmd_plan)
 
     pe = sub.add_parser("estimate", help="predict one given layout (what-if), with breakdowns",
@@ -104,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--raw", help="also keep the raw measurements (JSON) here")
     pf.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds, not minutes)")
     pf.set_defaults(func=cmd_profile)
+
+    pc = sub.add_parser("calibrate", help="fit the cost model to measured trials",
+                        description="Fit the cost model's coefficients (compute efficiency, link bandwidth and "
+                                    "latency, overlap, fixed overheads, memory) to the successful trials of a "
+                                    "study with scipy least_squares; report errors before and after, with "
+                                    "leave-one-out cross-validation; write a file for --calibration.")
+    pc.add_argument("--storage", default="sqlite:///titan-trials.db", help="Optuna storage URL of the trials")
+    pc.add_argument("--study-name", help="study (needed when the storage holds several)")
+    pc.add_argument("--hardware", help="hardware spec to calibrate (default: the study's)")
+    pc.add_argument("--out", default="calibration.yaml", help="file to write (default calibration.yaml)")
+    pc.add_argument("--plot", metavar="PNG", help="predicted vs measured, before and after (matplotlib)")
+    pc.add_argument("--no-loo", action="store_true", help="skip leave-one-out cross-validation")
+    pc.set_defaults(func=cmd_calibrate)
 
     pl = sub.add_parser("list", help="list presets", description="List model, hardware or space presets.")
     pl.add_argument("what", choices=("models", "hardware", "spaces"))
@@ -224,6 +248,13 @@ def cmd_plan(args) -> int:
         "inputs": inputs,
         "provenance": report.provenance(["titan-plan"] + sys.argv[1:], res.n_candidates),
     }
+    trial_rows = None
+    if args.trials:
+        chosen, measured, trial_rows = _run_trials(args, res, space, contents, workload, gpus, local)
+        if chosen is not None:
+            contents["plan"] = chosen
+            contents["predicted"] = measured.pop("predicted")
+            contents["measured"] = measured
     if not args.no_write:
         write_plan_file(args.out, contents)
     if args.plot:
@@ -251,13 +282,53 @@ def cmd_plan(args) -> int:
         for r in res.rejected:
             print(f"  {r.count:>9,} {r.unit}: {r.reason}")
         print()
-    print("chosen plan breakdown:")
-    print(report.format_breakdown(res.est, best))
+    if trial_rows:
+        print(f"measured trials (best first), study '{args.study_name or 'default'}' in {args.storage}:")
+        for o in trial_rows:
+            meas = f"{o.tokens_per_s:,.1f} tok/s" if o.tokens_per_s else o.status
+            print(f"  #{o.number:<3} {report.layout_str(o.plan):<18} {report.knobs_str(o.plan):<32} "
+                  f"measured {meas:<18} predicted {o.predicted.get('tokens_per_s', 0):,.1f} tok/s"
+                  + (f"  ({o.reason[:60]})" if o.reason and o.status != "ok" else ""))
+        print()
+    if "measured" in contents:
+        print(f"chosen on measured throughput: {contents['measured']['tokens_per_s']:,.1f} tokens/s")
+    else:
+        print("chosen plan breakdown:")
+        print(report.format_breakdown(res.est, best))
     if not args.no_write:
         print(f"\nwrote {args.out}  (train with: titan-run --plan {args.out})")
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _run_trials(args, res, space, contents, workload, gpus, local):
+    from .trials import TrialSettings, run_trials
+
+    if args.launcher is None and local is None:
+        from .local import detect_local_devices
+        here = detect_local_devices()
+        if gpus > here.count:
+            raise UsageError(f"--trials without --launcher run on this node, which has {here.count} devices, "
+                             f"but --gpus is {gpus}")
+    settings = TrialSettings(n_trials=args.trials, steps=args.trial_steps, timeout_s=args.trial_timeout,
+                             storage=args.storage, study_name=args.study_name, run_root=args.run_root,
+                             launcher=args.launcher)
+    inputs = {"model": contents["model"], "hardware": contents["hardware"], "gpus": gpus,
+              "seq_len": workload.seq_len, "global_batch": workload.global_batch, "dtype": workload.dtype,
+              "workload": contents["workload"]}
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    rows = run_trials(res, plan_inputs=inputs, settings=settings, space_knobs=dict(space.knobs), log=log)
+    ok = [o for o in rows if o.status == "ok"]
+    if not ok:
+        print("titan-plan: warning: no trial succeeded; keeping the analytic choice", file=sys.stderr)
+        return None, None, rows
+    best = ok[0]
+    measured = {"tokens_per_s": best.tokens_per_s, "step_time_s": best.step_time_s,
+                "peak_memory_gib": round((best.peak_memory_bytes or 0) / 2 ** 30, 4),
+                "trial": best.number, "run_dir": best.run_dir, "trials_ok": len(ok), "trials_total": len(rows),
+                "predicted": best.predicted}
+    return best.plan, measured, rows
 
 
 # --------------------------------------------------------------------------- estimate
@@ -341,6 +412,40 @@ def cmd_profile(args) -> int:
         print(f"  {op:<15} {f['bw_bytes_per_s'] / 1e9:8.3f} GB/s  latency {f['latency_s'] * 1e6:8.1f} us  "
               f"(fit error median {f['median_abs_pct_err']:.0f}%, {f['points']} points)")
     print(f"wrote {args.out}  (use: titan-plan --hardware {args.out})")
+    return 0
+
+
+# --------------------------------------------------------------------------- calibrate
+def cmd_calibrate(args) -> int:
+    from . import calibrate as cal
+
+    m = cal.load_measurements(args.storage, args.study_name, args.hardware)
+    res = cal.calibrate(m, loo=not args.no_loo)
+    cal.save(res, m, args.out)
+    print(f"{m.source}: {res['trials']} successful trials of {m.model.name} on {m.hw.name}")
+
+    def row(label, e):
+        return (f"  {label:<26} median {e['median_ape_pct']:6.1f}%  worst {e['worst_ape_pct']:6.1f}%  "
+                f"spearman {e['spearman']:.3f}")
+    print("step time, |predicted - measured| / measured:")
+    print(row("before", res["time_before"]))
+    print(row("after (in sample)", res["time_after_in_sample"]))
+    if "time_after_loo" in res:
+        print(row("after (leave-one-out)", res["time_after_loo"]))
+    print("peak memory:")
+    print(row("before", res["memory_before"]))
+    print(row("after (in sample)", res["memory_after_in_sample"]))
+    b = res["memory_band_after"]
+    print(f"  measured/predicted after: {b['min_measured_over_predicted']:.3f} .. "
+          f"{b['max_measured_over_predicted']:.3f}")
+    if "memory_band_loo" in res:
+        b = res["memory_band_loo"]
+        print(f"  measured/predicted leave-one-out: {b['min_measured_over_predicted']:.3f} .. "
+              f"{b['max_measured_over_predicted']:.3f}")
+    if args.plot:
+        cal.plot(res, m, args.plot)
+        print(f"wrote {args.plot}")
+    print(f"wrote {args.out}  (use: titan-plan --calibration {args.out})")
     return 0
 
 

@@ -26,6 +26,10 @@ class PlanningResult:
     pareto: np.ndarray              # indices on the tokens/s vs peak-memory front, by memory
     rejected: list[Rejection] = field(default_factory=list)
     n_layouts: int = 0
+    model: ModelSpec | None = None       # what the candidates were scored with
+    hw: HardwareSpec | None = None
+    workload: Workload | None = None
+    coeffs: Coefficients | None = None
 
     @property
     def n_candidates(self) -> int:
@@ -71,7 +75,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     # best first: shortest step (the global batch is fixed, so = most tokens/s), then least memory
     order = idx[np.lexsort((est.peak_memory_bytes[idx], est.step_time_s[idx]))]
     return PlanningResult(table=en.table, est=est, order=order, pareto=pareto_front(est, idx),
-                          rejected=rejected, n_layouts=en.n_layouts)
+                          rejected=rejected, n_layouts=en.n_layouts, model=model, hw=hw, workload=workload,
+                          coeffs=coeffs)
 
 
 def pareto_front(est: Estimates, idx: np.ndarray) -> np.ndarray:

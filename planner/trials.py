@@ -1,0 +1,388 @@
+"""Measured trials: short real runs of the best analytic candidates, driven by an Optuna study.
+
+Each trial is `titan-run` in its own process group (a subprocess; the planner
+never imports torch) with a hard timeout. It writes ``summary.json`` (status
+ok / oom / error, median step time after warm-up, tokens/s, peak memory per
+rank, communication time per axis) and ``metrics.jsonl`` (one line per step),
+which the study reads while the trial runs so the pruner can stop slow ones.
+
+The study's parameters are a layout (degrees + pipeline schedule, chosen
+among the analytic top layouts) and the knobs within it (micro-batch,
+activation checkpointing, FSDP reshard, compile). The analytic ranking is
+enqueued first; after that the sampler (TPE, with constraints so
+that memory-infeasible points are learned as infeasible rather than as mere
+failures) proposes. OOM, timeout and crash are recorded as infeasible with
+their reason. The storage is a real database (SQLite by default), so a study
+killed at any point resumes where it stopped, and optuna-dashboard opens it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cost_models.estimate import estimate
+from search_spaces.plan import Plan, PlanError
+from search_spaces.planfile import write_plan_file
+from search_spaces.table import CandidateTable
+
+from . import report
+from .rank import PlanningError, PlanningResult
+
+try:
+    from optuna.trial import Trial as _Trial
+    _NATIVE_CONSTRAINTS = hasattr(_Trial, "set_constraint")
+except ImportError:  # optuna is only needed for trials
+    _NATIVE_CONSTRAINTS = False
+
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "schedule", "stages_per_rank")
+KNOB_KEYS = ("microbatch", "ac", "reshard_after_forward", "compile")
+STUDY_ATTRS = ("model", "hardware", "gpus", "seq_len", "global_batch", "dtype")
+
+
+class TrialsError(PlanningError):
+    """The study cannot be run as asked (storage locked or missing, another model, ...)."""
+
+
+@dataclass
+class TrialSettings:
+    n_trials: int = 8
+    steps: int = 6                    # the first two are warm-up (compile, allocator) and not timed
+    timeout_s: float = 300.0
+    storage: str = "sqlite:///titan-trials.db"
+    study_name: str | None = None
+    run_root: str = "runs/trials"
+    launcher: str | None = None       # template; placeholders {plan} {run_dir} {steps} {nproc}
+    top_layouts: int = 8
+    memory_margin: float = 0.1        # trial only candidates predicted to fit with this margin
+    seed: int = 0
+    extra_set: list[str] = field(default_factory=list)   # --set overrides passed to titan-run
+
+
+@dataclass
+class TrialOutcome:
+    number: int
+    plan: Plan
+    status: str                       # ok | oom | timeout | error | pruned | illegal
+    tokens_per_s: float | None
+    step_time_s: float | None
+    peak_memory_bytes: float | None
+    predicted: dict[str, Any]
+    reason: str = ""
+    run_dir: str = ""
+
+
+# --------------------------------------------------------------------------- one trial
+def launch_command(settings: TrialSettings, plan_file: Path, run_dir: Path, nproc: int) -> list[str]:
+    if settings.launcher:
+        line = settings.launcher.format(plan=shlex.quote(str(plan_file)), run_dir=shlex.quote(str(run_dir)),
+                                        steps=settings.steps, nproc=nproc)
+        return shlex.split(line)
+    cmd = [sys.executable, "-m", "executor.cli", "--plan", str(plan_file), "--nproc-per-node", str(nproc),
+           "--steps", str(settings.steps), "--run-dir", str(run_dir), "--set", "train.tensorboard=false"]
+    for s in settings.extra_set:
+        cmd += ["--set", s]
+    return cmd
+
+
+def run_one(cmd: list[str], run_dir: Path, timeout_s: float,
+            on_step: Callable[[int, float], bool] | None = None) -> dict[str, Any]:
+    """Run a trial command in its own session; kill the whole group on timeout or prune.
+
+    `on_step(step, step_time_s)` is called for each new metrics line; returning
+    True prunes the trial. Returns the summary (with a status always set).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / "trial.log", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen, status = 0, None
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout_s:
+                status = "timeout"
+                break
+            if on_step is not None:
+                for rec in _new_metrics(run_dir, seen):
+                    seen += 1
+                    if on_step(int(rec.get("step", seen)), float(rec["step_time_s"])):
+                        status = "pruned"
+                        break
+                if status:
+                    break
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+        log.close()
+    if status:
+        return {"status": status, "reason": f"{status} after {time.monotonic() - t0:.0f} s"}
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            s = json.loads(summary_path.read_text())
+        except ValueError:
+            s = {}
+        if s.get("status"):
+            if s["status"] != "ok":
+                errs = s.get("errors") or []
+                s.setdefault("reason", errs[0].get("message", "")[:300] if errs else f"exit {proc.returncode}")
+            return s
+    tail = (run_dir / "trial.log").read_text(errors="replace").strip().splitlines()[-3:]
+    return {"status": "error", "reason": f"exit {proc.returncode}: " + " | ".join(tail)[:300]}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the trial's whole process group, then SIGKILL what is left."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if not _group_alive(pgid):
+            break
+    try:
+        os.killpg(pgid, signal.SIGKILL)   # grandchildren that outlived the leader
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _new_metrics(run_dir: Path, seen: int):
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    lines = f.read_text().splitlines()
+    out = []
+    for line in lines[seen:]:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            break                       # a line being written
+        if "step_time_s" in rec:
+            out.append(rec)
+    return out
+
+
+# --------------------------------------------------------------------------- the study
+def _layout_key(p: Plan) -> str:
+    return ",".join(f"{k}={getattr(p, k)}" for k in LAYOUT_KEYS)
+
+
+def _plan_from(layout: str, knobs: dict[str, Any], global_batch: int, base: Plan) -> Plan:
+    d = base.to_dict()
+    for kv in layout.split(","):
+        k, v = kv.split("=")
+        d[k] = v if k == "schedule" else int(v)
+    d.update(knobs)
+    dp = d["dp_replicate"] * d["dp_shard"]
+    if global_batch % (dp * d["microbatch"]):
+        raise PlanError(f"global batch {global_batch} not divisible by dp*microbatch = {dp}*{d['microbatch']}")
+    d["n_microbatches"] = global_batch // (dp * d["microbatch"])
+    return Plan.from_dict(d)
+
+
+def open_study(settings: TrialSettings, attrs: dict[str, Any]):
+    import optuna
+    from sqlalchemy.exc import OperationalError  # optuna's RDB storage is SQLAlchemy
+
+    name = settings.study_name or "titan-" + "-".join(str(attrs[k]) for k in ("model", "hardware", "gpus"))
+    url = settings.storage
+    if url.startswith("sqlite:///"):
+        db_dir = Path(url[len("sqlite:///"):]).resolve().parent
+        if not db_dir.is_dir():
+            raise TrialsError(f"--storage {url}: folder '{db_dir}' does not exist")
+    # Optuna >= 5 reads constraints stored on the trial (Trial.set_constraint); older ones take a function
+    extra = {} if _NATIVE_CONSTRAINTS else {"constraints_func": _constraints}
+    sampler = optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=max(1, settings.n_trials // 3),
+                                         **extra)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2)
+    try:
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 5}}
+                                             if url.startswith("sqlite") else {})
+        study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner,
+                                    direction="maximize", load_if_exists=True)
+    except OperationalError as e:
+        msg = str(e.orig) if getattr(e, "orig", None) else str(e).splitlines()[0]
+        raise TrialsError(f"--storage {url}: {msg} (is another titan-plan using it?)") from None
+    except (ValueError, ImportError) as e:
+        raise TrialsError(f"--storage {url}: {e}") from None
+    old = {k: study.user_attrs.get(k) for k in STUDY_ATTRS}
+    if any(v is not None for v in old.values()):
+        for k in STUDY_ATTRS:
+            if old[k] != attrs[k]:
+                raise TrialsError(f"study '{name}' in {url} was made for {k}={old[k]!r}, not {attrs[k]!r}; "
+                                  "use another --study-name or --storage")
+    else:
+        for k in STUDY_ATTRS:
+            study.set_user_attr(k, attrs[k])
+    return study
+
+
+def _set_constraint(trial, value: float) -> None:
+    """<= 0 feasible; > 0 infeasible (over memory, oom, timeout, crash, illegal)."""
+    trial.set_user_attr("constraint", float(value))
+    if _NATIVE_CONSTRAINTS:
+        trial.set_constraint("feasible", float(value))
+
+
+def _constraints(trial) -> tuple[float]:
+    # <= 0 feasible; > 0 infeasible (oom, timeout, crash, illegal)
+    return (float(trial.user_attrs.get("constraint", 1.0)),)
+
+
+def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: TrialSettings,
+               space_knobs: dict[str, tuple], log=print) -> list[TrialOutcome]:
+    """Run (or resume) the study; returns every finished trial, best first."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    est = res.est
+    ok = np.flatnonzero(est.peak_memory_bytes <= est.capacity_bytes * (1 - settings.memory_margin))
+    ranked = [int(i) for i in res.order if i in set(ok.tolist())]
+    if not ranked:
+        raise TrialsError(f"no candidate is predicted to fit with a {settings.memory_margin:.0%} memory margin")
+    layouts: list[str] = []
+    for i in ranked:
+        k = _layout_key(res.table.plan(i))
+        if k not in layouts:
+            layouts.append(k)
+        if len(layouts) >= settings.top_layouts:
+            break
+    base = res.table.plan(ranked[0])
+    dists = {"layout": CategoricalDistribution(layouts),
+             "microbatch": CategoricalDistribution(sorted(set(space_knobs["microbatch"]))),
+             "ac": CategoricalDistribution(list(space_knobs["ac"])),
+             "reshard_after_forward": CategoricalDistribution(list(space_knobs["reshard_after_forward"])),
+             "compile": CategoricalDistribution(list(space_knobs["compile"]))}
+    attrs = {k: plan_inputs[k] for k in STUDY_ATTRS}
+    study = open_study(settings, attrs)
+    # trials left RUNNING by a killed titan-plan: mark failed, run their points again
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        study.enqueue_trial(t.params, skip_if_exists=False)
+    if not study.user_attrs.get("enqueued"):
+        seen = set()
+        for i in ranked:
+            p = res.table.plan(i)
+            params = {"layout": _layout_key(p), "microbatch": p.microbatch, "ac": p.ac,
+                      "reshard_after_forward": p.reshard_after_forward, "compile": p.compile}
+            key = tuple(sorted(params.items()))
+            if params["layout"] in layouts and key not in seen:
+                seen.add(key)
+                study.enqueue_trial(params)
+            if len(seen) >= max(1, settings.n_trials // 2):
+                break
+        study.set_user_attr("enqueued", True)
+
+    nproc = plan_inputs["gpus"]
+    gb = plan_inputs["global_batch"]
+    done = lambda: [t for t in study.get_trials(deepcopy=False)  # noqa: E731
+                    if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    if len(done()) >= settings.n_trials:
+        log(f"[trials] study '{study.study_name}' already has {len(done())} finished trials; nothing to run")
+    while len(done()) < settings.n_trials:
+        trial = study.ask(dists)
+        params = trial.params
+        twin = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                     if t.params == params and "plan" in t.user_attrs), None)
+        if twin is not None:   # the sampler proposed a point already measured: reuse, don't rerun
+            for k, v in twin.user_attrs.items():
+                trial.set_user_attr(k, v)
+            trial.set_user_attr("duplicate_of", twin.number)
+            _set_constraint(trial, twin.user_attrs.get("constraint", 0.0))
+            study.tell(trial, twin.value)
+            continue
+        knobs = {k: params[k] for k in KNOB_KEYS}
+        try:
+            plan = _plan_from(params["layout"], knobs, gb, base)
+        except PlanError as e:
+            trial.set_user_attr("status", "illegal")
+            trial.set_user_attr("reason", str(e))
+            _set_constraint(trial, 1.0)
+            study.tell(trial, 0.0)
+            continue
+        one = estimate(CandidateTable.from_plans([plan]), res.model, res.hw, res.workload, res.coeffs)
+        pred = report.predicted(one, 0)
+        run_dir = Path(settings.run_root) / study.study_name / f"trial{trial.number:04d}"
+        plan_file = run_dir / "plan.yaml"
+        write_plan_file(plan_file, {"model": plan_inputs["model"], "hardware": plan_inputs["hardware"],
+                                    "workload": plan_inputs["workload"], "plan": plan, "predicted": pred})
+        trial.set_user_attr("plan", plan.to_dict())
+        trial.set_user_attr("predicted", pred)
+        log(f"[trials] trial {trial.number}: {report.layout_str(plan)} {report.knobs_str(plan)} "
+            f"(predicted {pred['tokens_per_s']:,.0f} tok/s, {pred['peak_memory_gib']:.2f} GiB)")
+
+        def on_step(step: int, step_time: float) -> bool:
+            trial.report(step_time and gb * plan_inputs["seq_len"] / step_time, step)
+            return step > 2 and trial.should_prune()
+
+        t0 = time.monotonic()
+        s = run_one(launch_command(settings, plan_file, run_dir, nproc), run_dir, settings.timeout_s, on_step)
+        status = s.get("status", "error")
+        trial.set_user_attr("status", status)
+        trial.set_user_attr("wall_s", round(time.monotonic() - t0, 2))
+        trial.set_user_attr("run_dir", str(run_dir))
+        if status == "ok":
+            for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "peak_memory_bytes_per_rank",
+                      "comm_s_per_step", "mfu"):
+                if s.get(k) is not None:
+                    trial.set_user_attr(k, s[k])
+            cap = res.est.capacity_bytes
+            _set_constraint(trial, float((s.get("peak_memory_bytes") or 0) - cap) / cap)
+            study.tell(trial, float(s["tokens_per_s"]))
+            log(f"[trials]   ok: {s['tokens_per_s']:,.1f} tok/s measured, step {s['step_time_s']:.3f} s, "
+                f"peak {(s.get('peak_memory_bytes') or 0) / 2 ** 30:.3f} GiB")
+        elif status == "pruned":
+            _set_constraint(trial, 0.0)
+            study.tell(trial, state=TrialState.PRUNED)
+            log("[trials]   pruned (slower than the median of earlier trials)")
+        else:
+            trial.set_user_attr("reason", s.get("reason", ""))
+            _set_constraint(trial, 1.0)
+            study.tell(trial, 0.0)
+            log(f"[trials]   {status}: {s.get('reason', '')[:200]}")
+    return outcomes(study)
+
+
+def outcomes(study) -> list[TrialOutcome]:
+    from optuna.trial import TrialState
+
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if "plan" not in t.user_attrs or "duplicate_of" in t.user_attrs:
+            continue
+        ua = t.user_attrs
+        out.append(TrialOutcome(number=t.number, plan=Plan.from_dict(ua["plan"]), status=ua.get("status", "?"),
+                                tokens_per_s=ua.get("tokens_per_s"), step_time_s=ua.get("step_time_s"),
+                                peak_memory_bytes=ua.get("peak_memory_bytes"), predicted=ua.get("predicted", {}),
+                                reason=ua.get("reason", ""), run_dir=ua.get("run_dir", "")))
+    out.sort(key=lambda o: -(o.tokens_per_s or 0) if o.status == "ok" else 0)
+    return out

@@ -1,0 +1,169 @@
+"""Trials: hard timeouts leave no process behind; the study resumes; bad storage is a clear error.
+
+The study machinery is exercised with a launcher template (the same hook an
+`srun` line uses) that runs a small script writing the files titan-run
+writes; the real titan-run trials are in test_trials_real.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.trials import run_one
+
+FAKE = textwrap.dedent("""\
+    import json, sys, time, yaml
+    plan_file, run_dir = sys.argv[1], sys.argv[2]
+    d = yaml.safe_load(open(plan_file))
+    p = d["plan"]
+    if p["ac"] == "full" and p["microbatch"] == 8:
+        sys.exit(3)                                   # a crash, with no summary
+    # a deterministic 'measurement': the analytic prediction bent by the knobs
+    tps = d["predicted"]["tokens_per_s"] * (1.3 if p["compile"] else 1.0) * (0.8 if p["ac"] == "full" else 1.0)
+    with open(run_dir + "/metrics.jsonl", "w") as f:
+        for s in range(4):
+            f.write(json.dumps({"step": s + 1, "step_time_s": 1.0 / tps}) + "\\n")
+    json.dump({"status": "ok", "step_time_s": 1.0 / tps, "tokens_per_s": tps,
+               "peak_memory_bytes": 1e8}, open(run_dir + "/summary.json", "w"))
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_hanging_trial_is_killed_with_all_children(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    code = (f"import subprocess, time; c = subprocess.Popen(['sleep', '1000']); "
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(1000)")
+    t0 = time.monotonic()
+    s = run_one([sys.executable, "-c", code], tmp_path / "run", timeout_s=3)
+    assert s["status"] == "timeout"
+    assert time.monotonic() - t0 < 20
+    child = int(pidfile.read_text())
+    time.sleep(0.5)
+    assert not _alive(child), "the hung trial's child survived"
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    assert f"{child} sleep 1000" not in ps
+
+
+def test_crashing_trial_is_recorded_with_reason(tmp_path):
+    s = run_one([sys.executable, "-c", "import sys; print('boom: bad layout'); sys.exit(7)"], tmp_path / "r", 30)
+    assert s["status"] == "error" and "exit 7" in s["reason"] and "boom" in s["reason"]
+
+
+def _plan_args(tmp_path, n, storage, extra=()):
+    fake = tmp_path / "fake_trial.py"
+    fake.write_text(FAKE)
+    return ["--gpus", "2", "--hardware", "cpu", "--trials", str(n), "--storage", storage,
+            "--launcher", f"{sys.executable} {fake} {{plan}} {{run_dir}}", "--run-root", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "plan.yaml"), *extra]
+
+
+def _n_trials(db: Path) -> int:
+    with sqlite3.connect(db) as c:
+        return c.execute("select count(*) from trials").fetchone()[0]
+
+
+def test_study_runs_resumes_and_picks_on_measurement(tmp_path, capsys):
+    db = tmp_path / "t.db"
+    storage = f"sqlite:///{db}"
+    assert main(_plan_args(tmp_path, 4, storage)) == 0
+    out = capsys.readouterr().out
+    assert "measured trials" in out and "chosen on measured throughput" in out
+    n1 = _n_trials(db)
+    assert n1 >= 4
+    import yaml
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert doc["measured"]["tokens_per_s"] > 0 and doc["predicted"]["tokens_per_s"] > 0
+    # asking again for the same number of trials runs nothing new
+    assert main(_plan_args(tmp_path, 4, storage)) == 0
+    assert _n_trials(db) == n1
+    # asking for more continues the same study
+    assert main(_plan_args(tmp_path, 6, storage)) == 0
+    assert _n_trials(db) > n1
+
+
+def test_killed_planner_resumes_without_repeating(tmp_path):
+    db = tmp_path / "k.db"
+    storage = f"sqlite:///{db}"
+    slow = tmp_path / "slow.py"
+    slow.write_text("import sys, time, runpy\ntime.sleep(1.5)\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    fake = tmp_path / "fake_trial.py"
+    fake.write_text(FAKE)
+    args = ["--gpus", "2", "--hardware", "cpu", "--trials", "5", "--storage", storage, "--launcher",
+            f"{sys.executable} {slow} {fake} {{plan}} {{run_dir}}", "--run-root", str(tmp_path / "runs"),
+            "--no-write"]
+    p = subprocess.Popen([sys.executable, "-m", "planner.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:   # wait until two trials have finished, then kill mid-study
+        if db.exists():
+            with sqlite3.connect(db) as c:
+                try:
+                    done = c.execute("select count(*) from trials where state='COMPLETE'").fetchone()[0]
+                except sqlite3.OperationalError:
+                    done = 0
+            if done >= 2:
+                break
+        time.sleep(0.3)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    with sqlite3.connect(db) as c:
+        before = c.execute("select number from trials where state='COMPLETE'").fetchall()
+    r = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with sqlite3.connect(db) as c:
+        after = c.execute("select number, state from trials").fetchall()
+    done_after = [n for n, s in after if s == "COMPLETE"]
+    assert set(n for (n,) in before) <= set(done_after)
+    assert len(done_after) >= 5
+    # trials finished before the kill were not run again: their run folders were written once
+    logs = list((tmp_path / "runs").rglob("summary.json"))
+    assert len(logs) == len({x.parent for x in logs})
+
+
+def test_bad_storage_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "--gpus", "2", "--hardware", "cpu", "--trials", "2",
+                        "--storage", f"sqlite:///{tmp_path}/missing/dir/t.db", "--no-write"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_storage_from_another_model_is_refused(tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path}/s.db"
+    assert main(_plan_args(tmp_path, 2, storage, ["--study-name", "mine"])) == 0
+    r = subprocess.run([sys.executable, "-m", "planner.cli", *_plan_args(tmp_path, 2, storage,
+                        ["--study-name", "mine", "--model", "moe-debug"])], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "was made for model='llama3-debug'" in r.stderr
+
+
+def test_locked_storage_is_a_clear_error(tmp_path):
+    db = tmp_path / "l.db"
+    storage = f"sqlite:///{db}"
+    assert main(_plan_args(tmp_path, 2, storage)) == 0
+    con = sqlite3.connect(db, timeout=0)
+    con.execute("begin exclusive")          # another writer holds the database
+    try:
+        r = subprocess.run([sys.executable, "-m", "planner.cli", *_plan_args(tmp_path, 3, storage)],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        con.rollback()
+        con.close()
+    assert r.returncode == 2 and "locked" in r.stderr, r.stderr
