@@ -181,6 +181,17 @@ class Workload:
     copies gathered per block) or ``megatron`` (bf16 parameters, fp32 main
     gradients and parameters, AdamW moments: 18 bytes per parameter, replicated
     over data parallel unless ``zero`` >= 1 shards the optimizer).
+
+    The last four keys describe the training code's activation regime; the defaults are
+    this project's executor (TorchTitan-style).  They exist so that published runs of other
+    frameworks can be expressed: ``attention_impl: materialized`` keeps the s x s softmax
+    scores (Megatron-LM without flash attention; the 5as/h term of Korthikanti et al.
+    2022), ``dropout`` keeps dropout masks, ``sequence_parallel: false`` replicates the
+    norm/dropout activations over TP ranks (Korthikanti Table 2, "tensor parallel"), and
+    ``selective_ac`` says what ``ac: selective`` keeps: ``matmul`` (this executor: every
+    matmul, attention and collective output; pointwise ops are recomputed), ``op``
+    (TorchTitan's per-op policy: every other matmul output and the attention outputs) or
+    ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3).
     """
 
     seq_len: int
@@ -188,6 +199,10 @@ class Workload:
     dtype: str = "bf16"          # compute dtype: bf16 | fp32
     state_layout: str = "fsdp2"  # fsdp2 | megatron
     zero: int = 3                # megatron layout only: 0 = nothing sharded, 1 = optimizer sharded
+    attention_impl: str = "fused"      # fused (flash / SDPA) | materialized
+    dropout: bool = False
+    sequence_parallel: bool = True     # with tp > 1
+    selective_ac: str = "matmul"       # matmul | op | attention
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -196,6 +211,13 @@ class Workload:
             raise SpecError(f"workload key 'global_batch' must be >= 1 sequence, got {self.global_batch}")
         _choice("workload", "dtype", self.dtype, ("bf16", "fp32"))
         _choice("workload", "state_layout", self.state_layout, ("fsdp2", "megatron"))
+        _choice("workload", "attention_impl", self.attention_impl, ("fused", "materialized"))
+        _choice("workload", "selective_ac", self.selective_ac, ("matmul", "op", "attention"))
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero < 0:
+            raise SpecError(f"workload key 'zero' must be an integer >= 0, got {self.zero!r}")
+        for k in ("dropout", "sequence_parallel"):
+            if not isinstance(getattr(self, k), bool):
+                raise SpecError(f"workload key '{k}' must be true or false, got {getattr(self, k)!r}")
 
     @property
     def global_batch_tokens(self) -> int:

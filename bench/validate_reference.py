@@ -1,0 +1,276 @@
+"""Validate the cost model against published training runs (reference/published_runs.yaml).
+
+Every row the model can express is mapped -- with ONE set of rules and the SAME presets
+and default `Coefficients` for all rows -- onto (ModelSpec, HardwareSpec, Workload, Plan);
+we predict tokens/s per GPU and peak memory (or, for the Korthikanti rows, params+optimizer
+and activations) and report the absolute percentage error (APE).  Rows the model cannot
+express are listed with the reason.  The last line printed is the headline.
+
+Mapping rules (stated once, applied to every row):
+* hardware: A100-SXM4-80GB -> a100-80g; H100 / DGX-H100 -> h100-sxm; "H100 96GB HBM2e,
+  500W" (TorchTitan's Grand Teton hosts) -> h100-96g-500w; H200 -> h200.
+* framework: Megatron rows (Korthikanti, Megatron-LM README, Megatron-Bridge) use the
+  megatron state layout (18 B/param) with the distributed optimizer (zero=1) unless the row
+  says zero=0 or FSDP; their fused kernels are expressed as compile=True; selective
+  recompute means Megatron's attention-core recompute.  TorchTitan rows use fsdp2, the
+  'op' selective policy, eager unless "compile" is listed, reshard_after_forward=True.
+* overlap features a framework states are expressed through the two overlap coefficients
+  (all other coefficients stay at their defaults for every row): TP-communication overlap
+  (Megatron-LM README "TP overlap flags on"; Megatron-Bridge performance recipes) ->
+  tp_overlap = 1, i.e. TP collectives hide under the block's matmuls; everything else
+  tp_overlap = 0 (plain TP).  TorchTitan's async-TP rows are listed as not expressible.
+* Korthikanti rows: GPT with dropout and materialized (non-flash) attention, as in the paper.
+  Other Megatron rows use fused attention and no dropout (their recipes' default).
+* unstated micro-batch -> 1; unstated recompute -> none; pp>1 without vpp -> 1F1B;
+  vpp -> Interleaved1F1B with stages_per_rank = vpp; FP8/Float8 -> float8=True.
+* unstated seq_len in TorchTitan's async-TP benchmark -> 8192 (the train_configs default, as
+  the other TorchTitan rows; its 70B float8 vanilla-TP figure matches Table 4's); those runs
+  need torch.compile for async TP, so compile=True.
+* measured Megatron TFLOP/s are turned into tokens/s with Megatron's own FLOPs count
+  (`megatron_flops_per_token`, no causal halving).
+"""
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cost_models.coefficients import Coefficients  # noqa: E402
+from cost_models.estimate import GIB, estimate  # noqa: E402
+from cost_models.flops import megatron_flops_per_token  # noqa: E402
+from cost_models.specs import Workload, load_hardware, load_model, model_from_dict  # noqa: E402
+from search_spaces.plan import Plan  # noqa: E402
+from search_spaces.table import CandidateTable  # noqa: E402
+
+# Architectures the rows name but do not spell out ("take from the model's HF config").
+HF_MODELS = {
+    "Qwen3 30B-A3B": "qwen3-30b-a3b",
+    "DeepSeek-V3 (dropless)": "deepseek-v3-671b",
+    # Qwen/Qwen3-235B-A22B config.json
+    "Qwen3 235B-A22B": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_hidden=12288,
+                            vocab_size=151936, n_experts=128, top_k=8, moe_ffn_hidden=1536),
+}
+NOT_EXPRESSIBLE = {
+    "GPT-OSS": "alternating 128-token sliding-window attention and attention sinks are not in ModelSpec",
+    "Qwen3 235B-A22B": "ep=32 > dp*cp=16: Megatron's expert parallelism spans TP x DP ranks; a Plan carves ep "
+                       "out of dp_shard*cp only",
+}
+
+
+def reference_dir() -> Path:
+    env = os.environ.get("TITAN_REFERENCE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+
+
+@dataclass
+class Case:
+    id: str
+    model: object
+    hw: object
+    workload: Workload
+    plan: Plan
+    measured: dict = field(default_factory=dict)   # tokens_per_s_per_gpu | peak_mem_gib | params_opt_gib | activations_gib
+    flags: dict = field(default_factory=dict)      # framework features, as coefficient overrides
+    not_counted: dict = field(default_factory=dict)  # metric -> why it is shown but not scored
+
+
+def _num(v):
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        m = re.match(r"\s*([0-9][0-9,]*)", v)
+        if m:
+            return int(m.group(1).replace(",", ""))
+    return None
+
+
+def _hardware(gpu: str) -> str:
+    if "A100" in gpu:
+        return "a100-80g"
+    if "96GB" in gpu:
+        return "h100-96g-500w"
+    if "H200" in gpu:
+        return "h200"
+    if "H100" in gpu:
+        return "h100-sxm"
+    raise KeyError(gpu)
+
+
+def _model(row) -> object:
+    m = row["model"]
+    name = str(m.get("name", ""))
+    for key, why in NOT_EXPRESSIBLE.items():
+        if name.startswith(key):
+            raise ValueError(why)
+    if name in HF_MODELS:
+        ref = HF_MODELS[name]
+        return load_model(ref) if isinstance(ref, str) else model_from_dict({"name": name, **ref})
+    gpt = "GPT" in str(m.get("family", ""))
+    h, heads = int(m["hidden"]), int(m["heads"])
+    d = dict(name=name or row["id"], dim=h, n_layers=int(m["layers"]), n_heads=heads,
+             n_kv_heads=int(_num(m.get("kv_heads")) or heads), vocab_size=int(_num(m["vocab"])),
+             ffn_hidden=int(_num(m.get("ffn_hidden")) or 4 * h), max_seq_len=max(8192, _seq(row) or 0))
+    if gpt:
+        d.update(mlp="gelu", norm="layernorm")
+    return model_from_dict(d)
+
+
+def _seq(row):
+    return _num(row["model"].get("seq_len"))
+
+
+def build_case(row) -> Case:
+    """Map one published row onto the cost model's inputs; ValueError(reason) if it cannot be expressed."""
+    rid, par, hwr, meas = row["id"], row["parallel"], row["hardware"], row["measured"]
+    model = _model(row)
+    hw = load_hardware(_hardware(hwr["gpu"]))
+    source = rid.split("_")[0]
+    megatron = source in ("korthikanti", "megatron", "mbridge")
+    seq = _seq(row) or (8192 if source == "torchtitan" else None)
+    if seq is None:
+        raise ValueError("sequence length not stated")
+    count = int(hwr["count"])
+    tp, pp, cp = int(par.get("tp") or 1), int(par.get("pp") or 1), int(par.get("cp") or 1)
+    ep = int(par.get("ep") or 1)
+    fsdp = int(par.get("fsdp") or 0)
+    dp = count // (tp * pp * cp)
+    if dp * tp * pp * cp != count:
+        raise ValueError(f"degrees do not multiply to {count} GPUs")
+    mb = int(par.get("microbatch") or par.get("local_batch") or 1)
+    gb = int(par.get("global_batch") or dp * mb)
+    text = " ".join(str(par.get(k, "")) for k in ("recompute", "techniques", "precision")).lower()
+    rec = str(par.get("recompute", "none")).lower()
+    ac = "full" if rec.startswith("full") else "selective" if rec.startswith("selective") else "none"
+    f8 = ("fp8" in text or "float8" in text)
+    if "rowwise" in text:
+        raise ValueError("float8 rowwise scaling is a different recipe from the tensorwise float8 the plan models")
+    if bool(par.get("async_tp")) or "asynctp" in text.replace(" ", "").replace("-", ""):
+        raise ValueError("TorchTitan async TP hides only part of the TP collectives (measured +6-16% over vanilla "
+                         "TP); the model has a physical figure only for no overlap or full overlap under the "
+                         "matmuls (tp_overlap 0 or 1), and full overlap overpredicts these rows by 15-56%")
+    vpp = par.get("vpp")
+    schedule, v = ("1F1B", 1)
+    if pp > 1 and vpp and int(vpp) > 1:
+        schedule, v = "Interleaved1F1B", int(vpp)
+    korthikanti = source == "korthikanti"
+    state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
+    zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
+    compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
+    workload = Workload(seq_len=seq, global_batch=gb, state_layout=state, zero=zero,
+                        attention_impl="materialized" if korthikanti else "fused", dropout=korthikanti,
+                        sequence_parallel=bool(par.get("sequence_parallel", True) if korthikanti else True),
+                        selective_ac="attention" if megatron else "op")
+    flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge") else {}
+    if dp * mb == 0 or gb % (dp * mb):
+        raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
+    plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
+                schedule=schedule, stages_per_rank=v, ac=ac, compile=compile_, float8=f8,
+                reshard_after_forward=True)
+    measured = {}
+    if "tokens_per_sec_per_gpu" in meas:
+        measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec_per_gpu"])
+    elif "tokens_per_sec" in meas:   # the async-TP table: header says tokens/sec, magnitude is per GPU
+        measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec"])
+    elif "tflops_per_gpu" in meas:
+        measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, seq)
+    if "peak_mem_gib" in meas:
+        measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
+    if "params_plus_optimizer_gib" in meas:
+        measured["params_opt_gib"] = float(meas["params_plus_optimizer_gib"])
+        measured["activations_gib"] = float(meas["activations_gib"])
+    not_counted = {}
+    if "peak_mem_gib" in measured and "202506" in str(row["source"].get("path", "")) and compile_:
+        not_counted["peak_mem_gib"] = ("TorchTitan e7c0cae compiles the loss as well (Compile.components defaults "
+                                       "to ['model', 'loss']), so no fp32 logits are kept; this project's executor "
+                                       "compiles blocks only, and the cost model follows the executor")
+    return Case(rid, model, hw, workload, plan, measured, flags, not_counted)
+
+
+def load_rows(ref_dir: Path | None = None) -> list[dict]:
+    path = (ref_dir or reference_dir()) / "published_runs.yaml"
+    return list(yaml.safe_load(path.read_text())["cases"])
+
+
+def build_cases(rows) -> tuple[list[Case], list[tuple[str, str]]]:
+    cases, skipped = [], []
+    for row in rows:
+        try:
+            cases.append(build_case(row))
+        except ValueError as e:
+            skipped.append((row["id"], str(e)))
+    return cases, skipped
+
+
+def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
+    coeffs = (coeffs or Coefficients()).replace(**case.flags)
+    est = estimate(CandidateTable.from_plans([case.plan]), case.model, case.hw, case.workload, coeffs)
+    m = {k: float(v[0]) for k, v in est.memory.items()}
+    return {"tokens_per_s_per_gpu": float(est.tokens_per_s_per_gpu[0]),
+            "peak_mem_gib": float(est.peak_memory_bytes[0]) / GIB,
+            "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
+            "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0])}
+
+
+def evaluate(cases, coeffs: Coefficients | None = None) -> list[dict]:
+    out = []
+    for c in cases:
+        p = predict(c, coeffs)
+        for metric, meas in c.measured.items():
+            out.append({"id": c.id, "metric": metric, "measured": meas, "predicted": p[metric],
+                        "ape": abs(p[metric] - meas) / meas * 100.0, "plan": c.plan.describe(),
+                        "counted": metric not in c.not_counted, "why": c.not_counted.get(metric, "")})
+    return out
+
+
+def summarize(results) -> dict[str, dict]:
+    groups = {"throughput": ["tokens_per_s_per_gpu"], "memory": ["peak_mem_gib", "params_opt_gib", "activations_gib"]}
+    out = {}
+    for g, metrics in groups.items():
+        rows = [r for r in results if r["metric"] in metrics and r.get("counted", True)]
+        if rows:
+            worst = max(rows, key=lambda r: r["ape"])
+            out[g] = {"n": len(rows), "median_ape": statistics.median(r["ape"] for r in rows),
+                      "worst_ape": worst["ape"], "worst_id": f"{worst['id']}:{worst['metric']}"}
+    return out
+
+
+def main() -> int:
+    ref = reference_dir()
+    if not (ref / "published_runs.yaml").is_file():
+        print(f"reference data not found under {ref} (set TITAN_REFERENCE_DIR)")
+        return 2
+    cases, skipped = build_cases(load_rows(ref))
+    results = evaluate(cases)
+    print(f"{'row':48s} {'metric':22s} {'measured':>10s} {'predicted':>10s} {'APE%':>6s}  plan")
+    for r in results:
+        mark = " " if r["counted"] else "x"
+        print(f"{r['id']:48s} {r['metric']:22s} {r['measured']:10.1f} {r['predicted']:10.1f} {r['ape']:6.1f}{mark} "
+              f"{r['plan']}")
+    print(f"\nnot expressible ({len(skipped)} rows):")
+    for rid, why in skipped:
+        print(f"  {rid}: {why}")
+    shown = [r for r in results if not r["counted"]]
+    if shown:
+        print(f"\nshown above with 'x' but not scored ({len(shown)} metrics):")
+        for r in shown:
+            print(f"  {r['id']} {r['metric']}: {r['why']}")
+    s = summarize(results)
+    print()
+    parts = []
+    for g in ("throughput", "memory"):
+        if g in s:
+            x = s[g]
+            parts.append(f"{g}: n={x['n']} median APE {x['median_ape']:.1f}% worst {x['worst_ape']:.1f}% ({x['worst_id']})")
+    print(f"HEADLINE {len(cases)} rows expressed, {len(skipped)} not; " + "; ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

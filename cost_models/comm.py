@@ -1,0 +1,128 @@
+"""Collective communication: alpha-beta costs and which link each mesh axis uses.
+
+Alpha-beta (Hockney) model of ring collectives, as in Thakur, Rabenseifner & Gropp,
+"Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), Sec. 4
+(and Chan et al. 2007): for p ranks, message size n bytes (the full, unsharded
+buffer), link latency alpha and bandwidth beta^-1 = bw:
+
+    all-gather / reduce-scatter (ring):  (p-1)*alpha + (p-1)/p * n / bw
+    all-reduce (ring = RS + AG):        2*(p-1)*alpha + 2*(p-1)/p * n / bw
+    all-to-all (pairwise):               (p-1)*alpha + (p-1)/p * n / bw   (n = bytes a rank sends)
+    point-to-point:                      alpha + n / bw
+
+Every function takes numpy arrays (or scalars) and broadcasts.
+
+Mesh placement (`axis_links`): TorchTitan builds the device mesh with axes ordered
+outermost -> innermost ``pp, dp_replicate, dp_shard, cp, tp`` (consecutive ranks share
+a node).  An axis of degree p whose inner axes multiply to `stride` has its group
+inside one node iff ``p * stride <= gpus_per_node``.  Otherwise the ring crosses nodes;
+``k = max(1, gpus_per_node // stride)`` members of the group share each node.  A ring
+with k members per node crosses each node boundary once per step, and NCCL stripes
+the rings of a collective over all NICs of the node (one per GPU, rail-optimized), so
+the ``gpus_per_node/k`` groups that run concurrently in a node share the node's
+``gpus_per_node`` NICs: each group gets ``k * inter_bw`` -- but no more than the
+intra-node link it also traverses.  Hence the effective bandwidth of a cross-node
+axis is ``min(k * inter_bw, intra_bw)`` and its latency is the inter-node one.  For
+all-to-all the traffic is not a ring: a rank's off-node share ``(p-k)/p`` goes through
+its own NIC at ``inter_bw`` and its on-node share at ``intra_bw`` (`all_to_all_time`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# innermost last: TorchTitan's ParallelDims mesh order
+AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+# --------------------------------------------------------------------------- collectives
+def ring_gather_time(p, nbytes, bw, alpha):
+    """All-gather or reduce-scatter of an `nbytes` (full size) buffer over p ranks."""
+    p = np.asarray(p, dtype=np.float64)
+    return np.where(p > 1, (p - 1) * alpha + (p - 1) / p * nbytes / bw, 0.0)
+
+
+def all_reduce_time(p, nbytes, bw, alpha):
+    """Ring all-reduce = reduce-scatter + all-gather."""
+    return 2.0 * ring_gather_time(p, nbytes, bw, alpha)
+
+
+def p2p_time(nbytes, bw, alpha):
+    return alpha + nbytes / bw
+
+
+def all_to_all_time(p, nbytes, k, intra_bw, intra_alpha, inter_bw, inter_alpha):
+    """All-to-all where each rank sends `nbytes` in total (1/p of it to each rank, itself included);
+    k = group members on the rank's node (k >= p: all intra-node).  The on-node and off-node parts
+    proceed concurrently on their links; the slower one sets the time."""
+    p = np.asarray(p, dtype=np.float64)
+    k = np.minimum(np.asarray(k, dtype=np.float64), p)
+    on = (k - 1) / p * nbytes / intra_bw + (k - 1) * intra_alpha
+    off = (p - k) / p * nbytes / inter_bw + (p - k) * inter_alpha
+    return np.where(p > 1, np.maximum(on, off), 0.0)
+
+
+# --------------------------------------------------------------------------- links
+@dataclass(frozen=True)
+class Link:
+    """Per-candidate arrays: effective collective bandwidth (B/s), latency (s), intra-node mask,
+    group members per node, and the bandwidth of one point-to-point transfer (a single GPU's
+    NVLink, or its own NIC when the peer is on another node)."""
+
+    bw: np.ndarray
+    alpha: np.ndarray
+    intra: np.ndarray
+    per_node: np.ndarray
+    p2p_bw: np.ndarray
+
+
+def link_params(hw, coeffs) -> dict[str, float]:
+    """Achievable bandwidth (B/s) and latency (s) of the two link levels."""
+    e = hw.efficiency
+    return {
+        "intra_bw": hw.intra_node_bw_gbs * 1e9 * e["comm_intra"] * coeffs.intra_bw_scale,
+        "inter_bw": hw.inter_node_bw_gbs * 1e9 * e["comm_inter"] * coeffs.inter_bw_scale,
+        "intra_alpha": hw.intra_node_latency_us * 1e-6 * coeffs.intra_latency_scale,
+        "inter_alpha": hw.inter_node_latency_us * 1e-6 * coeffs.inter_latency_scale,
+    }
+
+
+def group_link(degree, stride, hw, coeffs) -> Link:
+    """Link of a group of `degree` ranks spaced `stride` apart in the rank order."""
+    lp = link_params(hw, coeffs)
+    gpn = hw.gpus_per_node
+    degree = np.asarray(degree, dtype=np.int64)
+    stride = np.asarray(stride, dtype=np.int64)
+    intra = degree * stride <= gpn
+    k = np.maximum(1, gpn // np.maximum(stride, 1))
+    cross_bw = np.minimum(k * lp["inter_bw"], lp["intra_bw"])
+    bw = np.where(intra, lp["intra_bw"], cross_bw)
+    alpha = np.where(intra, lp["intra_alpha"], lp["inter_alpha"])
+    per_node = np.where(intra, degree, np.minimum(k, degree))
+    p2p_bw = np.where(intra, lp["intra_bw"], lp["inter_bw"])
+    return Link(bw=bw.astype(np.float64), alpha=alpha.astype(np.float64), intra=intra, per_node=per_node,
+                p2p_bw=p2p_bw.astype(np.float64))
+
+
+def axis_links(table, hw, coeffs) -> dict[str, Link]:
+    """Link of each mesh axis, plus the derived groups the parallelisms use:
+
+    * ``fsdp``: dp_shard x cp flattened (FSDP2 shards dense weights over it), stride tp;
+    * ``ep``: the innermost ``ep`` ranks of dp_shard x cp (TorchTitan carves EP from
+      dp_shard and cp), stride tp;
+    * ``efsdp``: the remaining dp_shard*cp/ep ranks that FSDP-shard the experts, stride ep*tp;
+    * ``dp``: dp_replicate x dp_shard as one group (the Megatron data-parallel group), stride cp*tp.
+    """
+    deg = {a: getattr(table, a) for a in AXIS_ORDER}
+    out: dict[str, Link] = {}
+    stride = np.ones(len(table), dtype=np.int64)
+    for a in reversed(AXIS_ORDER):
+        out[a] = group_link(deg[a], stride, hw, coeffs)
+        stride = stride * deg[a]
+    tp, cp, ep = table.tp, table.cp, table.ep
+    out["fsdp"] = group_link(table.dp_shard * cp, tp, hw, coeffs)
+    out["ep"] = group_link(ep, tp, hw, coeffs)
+    out["efsdp"] = group_link(table.dp_shard * cp // ep, ep * tp, hw, coeffs)
+    out["dp"] = group_link(table.dp_replicate * table.dp_shard, cp * tp, hw, coeffs)
+    return out

@@ -1,0 +1,72 @@
+"""`estimate`: memory, step time, throughput and MFU of every candidate at once.
+
+All arithmetic is numpy over the columns of a `CandidateTable`; the only Python loops
+run over a block's few matmuls and the handful of enum values (AC mode, compile,
+float8), never over candidates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .coefficients import Coefficients
+from .flops import flops_per_token
+from .memory import MEMORY_KEYS, memory_breakdown
+from .step_time import TIME_KEYS, step_time_breakdown
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Estimates:
+    step_time_s: np.ndarray            # [n] seconds per optimizer step
+    tokens_per_s: np.ndarray           # [n] global tokens/s
+    tokens_per_s_per_gpu: np.ndarray   # [n]
+    mfu: np.ndarray                    # [n] flops_per_token * tokens/s / (world * peak)
+    peak_memory_bytes: np.ndarray      # [n] per-rank peak (worst rank)
+    memory: dict[str, np.ndarray]      # bytes; keys MEMORY_KEYS, sum == peak_memory_bytes
+    time: dict[str, np.ndarray]        # seconds per step; keys TIME_KEYS, sum == step_time_s
+    capacity_bytes: float              # usable memory per device (memory_gib - memory_reserved_gib)
+    fits: np.ndarray                   # [n] bool: peak_memory_bytes <= capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self.step_time_s)
+
+    def row(self, i: int) -> dict:
+        """Scalars of candidate i (for reports and plan files)."""
+        return {
+            "step_time_s": float(self.step_time_s[i]),
+            "tokens_per_s": float(self.tokens_per_s[i]),
+            "tokens_per_s_per_gpu": float(self.tokens_per_s_per_gpu[i]),
+            "mfu": float(self.mfu[i]),
+            "peak_memory_gib": float(self.peak_memory_bytes[i] / GIB),
+            "memory_gib": {k: float(v[i] / GIB) for k, v in self.memory.items()},
+            "time_s": {k: float(v[i]) for k, v in self.time.items()},
+            "fits": bool(self.fits[i]),
+        }
+
+
+def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> Estimates:
+    """Score every candidate of `table` for `model` on `hw` under `workload`.
+
+    MFU uses the one declared formula, `cost_models.flops.flops_per_token` (6 N_active +
+    causal attention), against the dense bf16 peak (fp32 peak when the workload is fp32),
+    also for float8 candidates.
+    """
+    coeffs = coeffs or Coefficients()
+    n = len(table)
+    mem = memory_breakdown(table, model, workload, coeffs)
+    tim = step_time_breakdown(table, model, hw, workload, coeffs)
+    mem = {k: np.asarray(mem[k], dtype=np.float64) + np.zeros(n) for k in MEMORY_KEYS}
+    tim = {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(n) for k in TIME_KEYS}
+    peak = sum(mem[k] for k in MEMORY_KEYS)
+    step = sum(tim[k] for k in TIME_KEYS)
+    world = table.world_size.astype(np.float64)
+    tokens_per_s = workload.global_batch_tokens / step
+    peak_flops = (hw.peak_tflops_fp32 if workload.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+    mfu = flops_per_token(model, workload.seq_len) * tokens_per_s / (world * peak_flops)
+    capacity = (hw.memory_gib - hw.memory_reserved_gib) * GIB
+    return Estimates(step_time_s=step, tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world,
+                     mfu=mfu, peak_memory_bytes=peak, memory=mem, time=tim, capacity_bytes=float(capacity),
+                     fits=peak <= capacity)

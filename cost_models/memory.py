@@ -1,0 +1,306 @@
+"""Per-rank memory, as a breakdown, for every candidate of a `CandidateTable`.
+
+Keys (bytes, worst rank): params, grads, optimizer, activations, logits, fsdp_buffers,
+overhead.  The worst rank is the heavier of the first pipeline rank (embedding, the most
+in-flight micro-batches) and the last (LM head and logits); they coincide when pp == 1
+and for the V schedules (rank 0 holds the first and the last stage).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from search_spaces.plan import AC_MODES, SCHEDULES
+
+from .flops import COL, NONE, ROW, attention_dims, layer_matmuls, norm_params, param_counts
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
+
+# fp32 cross-entropy on [tokens, vocab/tp] logits: the fp32 log-softmax output kept for
+# backward, its gradient and the input gradient live together at the start of backward
+# (torch.nn.functional.cross_entropy on .float() logits, as TorchTitan and Megatron's
+# vocab-parallel loss do): 3 x 4 bytes per logit.
+LOGIT_BYTES = 12.0
+
+
+# --------------------------------------------------------------------------- layout helpers
+def layers_per_rank(table, model) -> np.ndarray:
+    """ceil(L / (pp * v)) * v: the layers of the most loaded pipeline rank."""
+    v = table.stages_per_rank
+    return -(-model.n_layers // (table.pp * v)) * v
+
+
+def layer_mix(table, model, first: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, moe) block counts on the first pipeline rank (which gets the leading dense blocks)
+    or on the most MoE-heavy rank."""
+    n = layers_per_rank(table, model)
+    if not model.is_moe:
+        return n, np.zeros_like(n)
+    if first:
+        dense = np.minimum(n, model.n_layers - model.n_moe_layers)
+        return dense, np.minimum(n - dense, model.n_moe_layers)
+    moe = np.minimum(n, model.n_moe_layers)
+    return n - moe, moe
+
+
+def in_flight_microbatches(table) -> tuple[np.ndarray, np.ndarray]:
+    """Micro-batches whose activations (for all of the rank's layers) are alive at the peak,
+    on the first and on the last pipeline rank.
+
+    * no pipeline: 1 (each micro-batch's backward ends before the next forward);
+    * GPipe: all n_microbatches (Huang et al. 2019, arXiv:1811.06965);
+    * 1F1B: pp on the first rank, 1 on the last (Narayanan et al. 2021, arXiv:2104.04473,
+      Sec. 2.2.1; Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.3);
+    * Interleaved1F1B with v stages per rank: pp * (1 + (pp-1)/(pp*v)) on the first rank
+      (Korthikanti Sec. 4.2.3, after Narayanan Sec. 2.2.2); the last rank runs (v-1)*pp + 1
+      warm-up chunks = ((v-1)*pp + 1)/v rank-micro-batches;
+    * ZBVZeroBubble: pp -- ZB-V keeps 1F1B's peak (Qi et al. 2024, arXiv:2401.10241, Sec. 6);
+    * DualPipeV: pp + 1 (DeepSeek-V3 report, arXiv:2412.19437, Table 2, "Activation").
+    """
+    pp = table.pp.astype(np.float64)
+    v = table.stages_per_rank.astype(np.float64)
+    nmb = table.n_microbatches.astype(np.float64)
+    first = np.ones(len(table))
+    last = np.ones(len(table))
+    s = table.schedule
+    g = s == SCHEDULES.index("GPipe")
+    first[g], last[g] = nmb[g], nmb[g]
+    o = s == SCHEDULES.index("1F1B")
+    first[o] = np.minimum(pp[o], nmb[o])
+    i = s == SCHEDULES.index("Interleaved1F1B")
+    first[i] = np.minimum(pp[i] * (1 + (pp[i] - 1) / (pp[i] * v[i])), nmb[i])
+    last[i] = ((v[i] - 1) * pp[i] + 1) / v[i]
+    z = s == SCHEDULES.index("ZBVZeroBubble")
+    first[z] = last[z] = np.minimum(pp[z], nmb[z])
+    d = s == SCHEDULES.index("DualPipeV")
+    first[d] = last[d] = np.minimum(pp[d] + 1, nmb[d])
+    single = table.pp == 1
+    first[single], last[single] = 1.0, 1.0
+    return first, last
+
+
+def v_schedule(table) -> np.ndarray:
+    return (table.schedule == SCHEDULES.index("ZBVZeroBubble")) | (table.schedule == SCHEDULES.index("DualPipeV"))
+
+
+# --------------------------------------------------------------------------- activations
+# Terms of the bytes a block keeps per token, by how tensor parallelism divides them:
+SEQ, SHARD, SCORE, FULL, FULL_TP = range(5)
+#   SEQ     residual-stream tensors: divided by tp only with sequence parallelism
+#   SHARD   head/FFN-sharded tensors: divided by tp
+#   SCORE   per token *and key position* (materialized s x s scores), divided by tp
+#   FULL    never divided by tp: with DTensor-style TP (fsdp2 layout, as in TorchTitan) a
+#           column-parallel matmul keeps its all-gathered input and a row-parallel one
+#           produces its partial sum at full size; Megatron keeps them sequence-sharded
+#           (Korthikanti Sec. 4.2.2), so in the megatron layout they are SEQ
+#   FULL_TP as FULL but present only when tp > 1 (outputs of all-gathers kept by the
+#           'matmul' selective policy; with tp = 1 the same tensor is recomputed)
+
+
+def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
+                           f8_fraction: float = 1.0) -> np.ndarray:
+    """Bytes one block keeps for backward, per token, split into the five terms above.
+
+    Source: Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and Table 2, per layer
+    sbh(34 + 5as/h) for GPT with dropout and materialized attention:
+      attention 11sbh + 5as^2b: QKV input 2, Q and K 4, V 2, out-proj input 2, dropout mask 1,
+      softmax output 2as, dropout mask as, dropout output 2as;  MLP 19sbh: fc1 input 2,
+      GeLU input 8, GeLU output 8, dropout mask 1;  LayerNorms 4sbh.
+    Adapted here: GQA/MLA widths from `attention_dims`; SwiGLU keeps gate and up outputs
+    (eager autograd also keeps silu(gate) and the product: 4 tensors of width ffn_hidden,
+    a fused/compiled SwiGLU 2); fused (flash/SDPA) attention keeps no s x s scores but its
+    output O and the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan
+    RMSNorm upcasts to fp32 and keeps the fp32 input plus the bf16 normalized output
+    (3x the bf16 width), a fused norm keeps its input; MoE blocks keep the top_k
+    dispatched copies of the token, each expert's hidden and output.
+    Selective: 'attention' (Megatron, Korthikanti Sec. 4.3) drops the attention core's
+    tensors (scores, or O and the LSE); 'op' (TorchTitan) keeps the block input, the
+    1st/3rd/5th/... matmul outputs in forward order and the attention outputs; 'matmul'
+    (this executor) keeps the block input, every matmul, attention and collective output.
+    Full keeps the block input (Korthikanti Table 2: 2sbh).
+    """
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    d_qk, d_k, d_v = attention_dims(model)
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    fused = workload.attention_impl == "fused"
+    dtensor = workload.state_layout == "fsdp2"
+    lin = e * f8_fraction                            # a saved linear input
+    drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
+    t = np.zeros(5)
+    col_in = FULL if dtensor else SEQ                 # where a column-parallel input lives
+    row_out = FULL if dtensor else SEQ                # a row-parallel matmul's output
+
+    if ac == "full":
+        t[SEQ] = e * h
+        return t
+    if ac == "selective" and workload.selective_ac in ("op", "matmul"):
+        every = workload.selective_ac == "matmul"
+        t[SEQ] = e * h                                # block input
+        for i, m in enumerate(layer_matmuls(model, moe)):
+            if i % 2 and not every:                   # 'op': 2nd, 4th, ... matmuls are recomputed
+                continue
+            mult = model.top_k if m.expert else 1.0
+            t[SHARD if m.shard == COL else (row_out if m.shard == ROW else FULL)] += mult * e * m.n
+        if fused:
+            t[SHARD] += e * d_o + 4.0 * model.n_heads
+        if every:                                     # all-gathered QKV and FFN inputs (tp > 1)
+            t[FULL_TP] += 2 * e * h
+        return t
+
+    # -- no recomputation (or the attention-core policy, which only removes the core's tensors)
+    if compiled:
+        norm_in = e * h                               # fused norm: its input (+ a per-token rstd)
+    elif workload.dtype == "bf16":
+        norm_in = 3 * e * h                           # eager: fp32 upcast (2e) + bf16 normalized (e)
+    else:
+        norm_in = 2 * e * h                           # eager fp32: input and normalized output
+    t[SEQ] = 2 * norm_in + 2 * drop * h               # two norms, two dropout masks
+    t[col_in] += 2 * lin * h                          # QKV and FFN inputs
+    t[SHARD] = e * (d_qk + d_k + d_v) + lin * d_o     # Q, K, V (RoPE applied) and out-proj input
+    core_dropped = ac == "selective"                  # 'attention' policy
+    if fused:
+        if not core_dropped:
+            t[SHARD] += e * d_o + 4.0 * model.n_heads  # O and fp32 LSE kept by the SDPA kernel
+        if not compiled:
+            t[SHARD] += e * d_o                        # eager transpose().contiguous() copy of O
+    elif not core_dropped:
+        t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
+
+    def ffn(width: float) -> float:
+        if model.mlp == "swiglu":                     # gate, up (+ silu(gate) and product when eager)
+            return 2 * e * width + (0.0 if compiled else (e + lin) * width)
+        return e * width + lin * width                # GeLU input and output (= fc2 input)
+
+    if not moe:
+        t[SHARD] += ffn(model.ffn_hidden)
+    else:
+        k = model.top_k
+        t[SHARD] += k * (lin * h + ffn(model.moe_ffn_hidden) + e * h)
+        if model.n_shared_experts:
+            t[SHARD] += ffn(model.n_shared_experts * model.moe_ffn_hidden)
+    return t
+
+
+def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
+    """[ac code, compiled, float8] -> the five terms, bytes per token."""
+    out = np.zeros((len(AC_MODES), 2, 2, 5))
+    for a, ac in enumerate(AC_MODES):
+        for c in (0, 1):
+            for f in (0, 1):
+                out[a, c, f] = layer_activation_terms(model, workload, moe, ac, bool(c), f8_fraction if f else 1.0)
+    return out
+
+
+def _bytes(terms: np.ndarray, table, workload) -> np.ndarray:
+    tp = table.tp.astype(np.float64)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    return tokens * (terms[:, SEQ] / sp + terms[:, SHARD] / tp + terms[:, SCORE] * workload.seq_len / tp
+                     + terms[:, FULL] + terms[:, FULL_TP] * (tp > 1))
+
+
+def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes one block keeps per micro-batch, transient working set of one block's backward).
+
+    The working set is what the block's backward re-materializes on top of what it kept
+    (recomputed tensors: the no-AC footprint minus the kept one) plus the gradients of the
+    block's input and output in flight (2 residual-stream tensors).
+    """
+    terms = _ac_table(model, workload, moe, coeffs.float8_saved_input_fraction)
+    c, f = table.compile.astype(int), table.float8.astype(int)
+    kept = _bytes(terms[table.ac, c, f], table, workload)
+    none = _bytes(terms[AC_MODES.index("none"), c, f], table, workload)
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    sp = table.tp if workload.sequence_parallel else 1
+    grads = 2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp / sp
+    return kept, np.maximum(none - kept, 0.0) + grads
+
+
+# --------------------------------------------------------------------------- parameters per rank
+def rank_params(table, model) -> dict[str, np.ndarray]:
+    """Local (TP/EP-sharded, not yet FSDP-sharded) parameter counts of the first and the
+    most MoE-heavy (last) pipeline rank, and of the largest FSDP unit."""
+    pc = param_counts(model)
+    tp = table.tp.astype(np.float64)
+
+    def sharded(mms, moe_local=1.0):
+        tot = 0.0 * tp
+        for m in mms:
+            tot = tot + m.params * (moe_local if m.expert else 1.0) / (1.0 if m.shard == NONE else tp)
+        return tot
+
+    local_experts = model.n_experts / table.ep if model.is_moe else 0.0
+    dense_block = sharded(layer_matmuls(model, False)) + norm_params(model)
+    out = {}
+    if model.is_moe:
+        mm = layer_matmuls(model, True)
+        moe_dense = sharded([m for m in mm if not m.expert]) + norm_params(model)
+        moe_expert = sharded([m for m in mm if m.expert], local_experts)
+    else:
+        moe_dense = moe_expert = 0.0 * tp
+    emb, head = pc["embedding"] / tp, (pc["lm_head"] / tp) + pc["final_norm"]
+    v_sched = v_schedule(table)
+    single = table.pp == 1
+    for which, first in (("first", True), ("last", False)):
+        nd, nm = layer_mix(table, model, first)
+        dense = nd * dense_block + nm * moe_dense
+        has_emb = np.ones(len(table), bool) if first else (single | v_sched)
+        has_head = (single | v_sched) if first else np.ones(len(table), bool)
+        dense = dense + np.where(has_emb, emb, 0.0) + np.where(has_head, head, 0.0)
+        out[f"{which}_dense"] = dense
+        out[f"{which}_expert"] = nm * moe_expert
+        out[f"{which}_unit"] = np.maximum.reduce([dense_block, moe_dense + moe_expert * (nm > 0),
+                                                  np.where(has_emb, emb, 0.0), np.where(has_head, head, 0.0)])
+        out[f"{which}_has_head"] = has_head
+    out["dense_block"], out["moe_dense_block"], out["moe_expert_block"] = dense_block, moe_dense, moe_expert
+    return out
+
+
+# --------------------------------------------------------------------------- the breakdown
+def memory_breakdown(table, model, workload, coeffs) -> dict[str, np.ndarray]:
+    n = len(table)
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    rp = rank_params(table, model)
+    fsdp_group = (table.dp_shard * table.cp).astype(np.float64)
+    efsdp_group = fsdp_group / table.ep
+    accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1)   # pipelining: no grad sync until last
+    dense_act, ws_dense = per_layer_activation_bytes(table, model, workload, coeffs, moe=False)
+    moe_act, ws_moe = (per_layer_activation_bytes(table, model, workload, coeffs, moe=True)
+                       if model.is_moe else (0.0, 0.0))
+    working_set = np.maximum(ws_dense, ws_moe)
+    infl_first, infl_last = in_flight_microbatches(table)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    logits_one = tokens * model.vocab_size / table.tp * LOGIT_BYTES
+
+    results = {}
+    for which, infl in (("first", infl_first), ("last", infl_last)):
+        dense_p, expert_p, unit = rp[f"{which}_dense"], rp[f"{which}_expert"], rp[f"{which}_unit"]
+        local = dense_p + expert_p
+        if workload.state_layout == "fsdp2":
+            shard_p = dense_p / fsdp_group + expert_p / efsdp_group
+            params = 4.0 * shard_p                                 # fp32 master copy, sharded
+            grads = np.where(accumulate_unsharded, 4.0 * local, 4.0 * shard_p)
+            optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)
+            rs = unit * (e + 4.0)                                  # unsharded grad + fp32 reduce buffer
+            gathered = np.where(accumulate_unsharded | ~table.reshard_after_forward, e * local, 2.0 * e * unit)
+            fsdp = gathered + rs
+        else:                                                      # Megatron: bf16 params, fp32 main grads
+            dp = (table.dp_replicate * table.dp_shard * table.cp).astype(np.float64)
+            edp = dp / table.ep
+            sh = dense_p / dp + expert_p / edp
+            z = workload.zero
+            master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
+            params = e * (sh if z >= 3 else local)
+            grads = 4.0 * (sh if z >= 2 else local)
+            optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
+            fsdp = np.zeros(n)
+        nd, nm = layer_mix(table, model, which == "first")
+        per_mb = nd * dense_act + nm * moe_act
+        acts = (infl * per_mb + working_set) * coeffs.activation_memory_scale
+        logits = np.where(rp[f"{which}_has_head"], logits_one, 0.0)
+        overhead = coeffs.memory_overhead_bytes + coeffs.allocator_fragmentation * (acts + logits + fsdp)
+        results[which] = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, logits=logits,
+                              fsdp_buffers=fsdp, overhead=overhead + np.zeros(n))
+    tot = {w: sum(results[w].values()) for w in results}
+    pick_first = tot["first"] >= tot["last"]
+    return {k: np.where(pick_first, results["first"][k], results["last"][k]) for k in MEMORY_KEYS}

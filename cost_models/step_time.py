@@ -1,0 +1,392 @@
+"""Step time per optimizer step, as a breakdown, for every candidate of a `CandidateTable`.
+
+Keys (seconds per step): compute, tp_comm, cp_comm, ep_comm, dp_comm (exposed),
+pp_p2p, pp_bubble, other.  They sum to the step time.
+
+The critical path is the busiest pipeline rank (the most layers, the most MoE blocks,
+and the LM head).  Per micro-batch it runs forward F, input-gradient backward B and
+weight-gradient backward W of its blocks; a step is ``n_microbatches * (F + B + W)``
+plus the pipeline bubble, the exposed data-parallel collectives, the point-to-point
+pipeline transfers and the optimizer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from search_spaces.plan import SCHEDULES
+
+from .comm import all_reduce_time, all_to_all_time, axis_links, group_link, link_params, p2p_time, ring_gather_time
+from .flops import COL, ROW, attention_dims, layer_matmuls
+from .memory import layer_mix, layers_per_rank, rank_params
+
+TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
+
+# Flash-attention backward does 2.5x the forward FLOPs (it recomputes QK^T):
+# Dao 2023 (arXiv:2307.08691), Sec. 3.1.2 -- 5 matmuls backward vs 2 forward.
+FLASH_BWD = 2.5
+
+
+class Rates:
+    """Achievable throughputs of one device (FLOP/s, B/s) for a workload and coefficients."""
+
+    def __init__(self, hw, workload, coeffs):
+        e = hw.efficiency
+        fp32 = workload.dtype == "fp32"
+        self.peak = (hw.peak_tflops_fp32 if fp32 else hw.peak_tflops_bf16) * 1e12
+        self.gemm = self.peak * e["gemm"] * coeffs.gemm_efficiency_scale
+        self.fp8 = (hw.peak_tflops_fp8 * 1e12 * e["fp8_gemm"] * coeffs.fp8_gemm_efficiency_scale
+                    if hw.supports_float8 and not fp32 else self.gemm)
+        self.attn = self.peak * e["attention"] * coeffs.attention_efficiency_scale
+        self.mem = hw.memory_bw_gbs * 1e9 * e["memory_bound"] * coeffs.memory_bound_efficiency_scale
+        self.elt = 4.0 if fp32 else 2.0
+
+
+def gemm_time(m, k, n, rate, mem_bw, in_bytes, out_bytes):
+    """Roofline time of one [m,k]x[k,n] matmul (Williams et al. 2009, CACM 52(4)): the larger of
+    its FLOPs at the achievable rate and its operand traffic at the achievable memory bandwidth."""
+    flops = 2.0 * m * k * n
+    traffic = in_bytes * (m * k + k * n) + out_bytes * m * n
+    return np.maximum(flops / rate, traffic / mem_bw)
+
+
+def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes)."""
+    tp = table.tp.astype(np.float64)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    f8 = table.float8
+    fwd = np.zeros(len(table))
+    recomputed = np.zeros(len(table))
+    for i, m in enumerate(layer_matmuls(model, moe)):
+        k = m.k / tp if m.shard == ROW else m.k + 0 * tp
+        n = m.n / tp if m.shard == COL else m.n + 0 * tp
+        low = f8 & (m.name != "router")
+        rate = np.where(low, r.fp8, r.gemm)
+        in_b = np.where(low, 1.0, r.elt)
+        if m.expert:
+            local = model.n_experts / table.ep
+            rows = tokens * model.top_k * coeffs.ep_imbalance / local       # tokens per local expert
+            t = local * gemm_time(rows, k, n, rate, r.mem, in_b, r.elt)
+        else:
+            t = gemm_time(tokens, k, n, rate, r.mem, in_b, r.elt)
+        fwd += t
+        if i % 2:
+            recomputed += t
+    return fwd, recomputed
+
+
+def elementwise_bytes(model, workload, moe: bool, compiled: bool) -> tuple[float, float]:
+    """Memory traffic of the non-matmul ops of one block forward, bytes per token: (seq, shard).
+
+    Eager counts each op's reads and writes: TorchTitan's fp32 RMSNorm (upcast, pow, mean,
+    mul, downcast, weight: ~36 B/element in bf16), complex-fp32 RoPE on Q and K, the
+    residual adds, SiLU and the gate product, the transpose copy of the attention output.
+    Compiled (or hand-fused, as in Megatron) kernels read their inputs and write their
+    outputs once (norm fused with the residual add, fused SwiGLU/RoPE).  Backward moves
+    about twice the forward traffic.
+    """
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    d_qk, d_k, _ = attention_dims(model)
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    drop = 3.0 * (2 * e + 1) if workload.dropout else 0.0
+    if moe:
+        width = model.top_k * model.moe_ffn_hidden + model.n_shared_experts * model.moe_ffn_hidden
+        permute = model.top_k * 4 * e * h              # gather to experts and scatter back
+    else:
+        width, permute = model.ffn_hidden, 0.0
+    act = (5 * e if model.mlp == "swiglu" else 2 * e) if not compiled else (3 * e if model.mlp == "swiglu" else 2 * e)
+    if not compiled:
+        norms = 2 * (36.0 if e == 2 else 28.0)
+        seq = (norms + 6 * e + drop) * h
+        shard = (16 + 2 * e) * (d_qk + d_k) + 2 * e * d_o + act * width + permute
+    else:
+        seq = (10 * e + (drop / 3 if drop else 0.0)) * h
+        shard = 2 * e * (d_qk + d_k) + act * width + permute
+    return seq, shard
+
+
+def kernels_per_block(model, workload, moe: bool, compiled: bool) -> float:
+    """Kernels one block launches in forward (backward launches about twice as many).
+
+    Matmuls (one per weight; routed experts as one grouped GEMM per weight), the attention
+    core (1 fused kernel, or QK^T, softmax, [dropout,] PV when materialized), and the
+    pointwise ops: eager TorchTitan-style code issues ~30 (fp32 RMSNorm ~8 each, complex
+    RoPE ~6 per tensor, SwiGLU, residual adds, layout copies), compiled/fused code ~6.
+    An MoE block adds routing (gate softmax/top-k, sort, histogram, gather/scatter: ~12).
+    """
+    mm = layer_matmuls(model, moe)
+    n = len({m.name for m in mm})
+    n += 1 if workload.attention_impl == "fused" else (4 if workload.dropout else 3)
+    n += 6.0 if compiled else 30.0
+    n += 3.0 if workload.dropout else 0.0
+    n += 12.0 if moe else 0.0
+    return float(n)
+
+
+def float8_cast_bytes(model, moe: bool, compiled, e: float):
+    """Extra traffic of tensorwise float8 training per token of one block, forward share (the
+    backward's 2x is applied with the other pointwise traffic): each linear's input is scaled
+    and cast forward (amax read, read, 1-byte write), its output gradient and input again
+    backward (Micikevicius et al. 2022, arXiv:2209.05433, Sec. 4: per-tensor scaling).
+    Compiled code fuses the amax into the producer (one read fewer)."""
+    per = np.where(compiled, e + 1.0, 2 * e + 1.0)
+    width = 0.0
+    for m in layer_matmuls(model, moe):
+        if m.name == "router":
+            continue
+        width += (model.top_k if m.expert else 1.0) * (m.k + m.n + m.k) / 3.0
+    return per * width
+
+
+def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
+    """Per micro-batch times of the busiest rank: dict of F/B/W compute and exposed comm arrays."""
+    n = len(table)
+    tp = table.tp.astype(np.float64)
+    cp = table.cp.astype(np.float64)
+    s = float(workload.seq_len)
+    tokens = table.microbatch * s / cp
+    sp = tp if workload.sequence_parallel else np.ones(n)
+    d_qk, d_k, d_v = attention_dims(model)
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    ac_full, ac_sel = table.is_ac("full"), table.is_ac("selective")
+    op_sac = ac_sel & (workload.selective_ac == "op")
+    mm_sac = ac_sel & (workload.selective_ac == "matmul")
+    att_sac = ac_sel & (workload.selective_ac == "attention")
+    compiled = table.compile
+    f8 = table.float8
+
+    # attention core (scores and mixing), forward and backward
+    if workload.attention_impl == "fused":
+        a_fwd = 2.0 * tokens * (s / 2) * (d_qk + d_o) / tp / r.attn          # causal half
+        a_bwd = FLASH_BWD * a_fwd
+    else:  # materialized: full s x s batched GEMMs + softmax/dropout traffic (Megatron non-flash)
+        scores = tokens * s * model.n_heads / tp
+        traffic = scores * (4 * r.elt + ((2 * r.elt + 1) if workload.dropout else 0.0))
+        a_fwd = 2.0 * tokens * s * (d_qk + d_o) / tp / r.gemm + traffic / r.mem
+        a_bwd = 4.0 * tokens * s * (d_qk + d_o) / tp / r.gemm + traffic / r.mem   # same traffic backward
+
+    # ring attention merges each step's partial result into fp32 accumulators (out/LSE forward;
+    # dQ, dK, dV backward): read partial, read and write the accumulator, per step after the first
+    merge = (cp - 1) * tokens * (8.0 + r.elt) / tp / r.mem
+    a_fwd = a_fwd + merge * d_o
+    a_bwd = a_bwd + merge * (d_qk + d_k + d_v)
+
+    out = {k: np.zeros(n) for k in ("F", "B", "W", "tp_f", "tp_b", "cp_f", "cp_b", "ep_f", "ep_b",
+                                     "blockF", "blockBW")}
+    tp_link, cp_link, ep_link = links["tp"], links["cp"], links["ep"]
+    act_bytes = tokens * model.dim * r.elt
+    # TP with SP (Korthikanti Sec. 4.2.2): per block 2 all-gathers + 2 reduce-scatters forward and
+    # the same backward; without SP 2 all-reduces each way (same volume).  Full AC repeats the
+    # forward's 4; the 'op' policy re-gathers the inputs of recomputed matmuls (2); the 'matmul'
+    # policy keeps the collectives' outputs.  Async TP / Megatron's TP overlap decompose the
+    # collectives and run them under the block's matmuls (Wang et al. 2022, ASPLOS, "Overlap
+    # communication with dependent computation via decomposition"): exposed = max(0, comm -
+    # tp_overlap * matmul time), per block and direction.
+    tp_one = ring_gather_time(tp, act_bytes, tp_link.bw, tp_link.alpha)
+    tp_rec = np.where(ac_full, 4.0, np.where(op_sac, 2.0, 0.0))
+    # CP ring attention (Liu et al. 2023, arXiv:2310.01889): cp-1 steps, each passing the K/V chunk
+    # forward and K/V plus dK/dV backward, overlapped with the step's attention compute.
+    kv_bytes = tokens * (d_k + d_v) / tp * r.elt
+    step_f = p2p_time(kv_bytes, cp_link.p2p_bw, cp_link.alpha)
+    step_b = p2p_time(2 * kv_bytes, cp_link.p2p_bw, cp_link.alpha)
+    cp_f = (cp - 1) * np.maximum(0.0, step_f - coeffs.cp_overlap * a_fwd / cp)
+    cp_b = (cp - 1) * np.maximum(0.0, step_b - coeffs.cp_overlap * a_bwd / cp)
+    cp_f, cp_b = np.where(cp > 1, cp_f, 0.0), np.where(cp > 1, cp_b, 0.0)
+
+    lpd = link_params(hw, coeffs)
+    lp = (lpd["intra_bw"], lpd["intra_alpha"], lpd["inter_bw"], lpd["inter_alpha"])
+    nd, nm = layer_mix(table, model, first=False)
+    for moe, count in ((False, nd), (True, nm)):
+        if moe and not model.is_moe:
+            continue
+        g_f, g_rec = layer_gemms(table, model, workload, coeffs, r, moe)
+        e_seq, e_shard = np.array([elementwise_bytes(model, workload, moe, c) for c in (False, True)]).T
+        el_f = tokens * (e_seq[compiled.astype(int)] / sp + e_shard[compiled.astype(int)] / tp) / r.mem
+        el_f = el_f + np.where(f8, tokens * float8_cast_bytes(model, moe, compiled, r.elt) / tp / r.mem, 0.0)
+        kern = np.where(compiled, kernels_per_block(model, workload, moe, True),
+                        kernels_per_block(model, workload, moe, False))
+        # recomputation in backward (Korthikanti Sec. 5, Table 4): full = the whole forward again;
+        # 'op' = the unsaved matmuls and all pointwise ops; 'attention' = the attention core.
+        rec = np.where(ac_full, g_f + a_fwd + el_f,
+                       np.where(op_sac, g_rec + el_f, np.where(mm_sac, el_f, np.where(att_sac, a_fwd, 0.0))))
+        rec_k = np.where(ac_full, 1.0, np.where(op_sac, 0.6, np.where(mm_sac, 0.5, np.where(att_sac, 0.1, 0.0))))
+        # backward launches ~2x the forward's kernels (+ the recomputed ones); W is one per weight
+        n_mm = float(len({m.name for m in layer_matmuls(model, moe)}))
+        lat = coeffs.kernel_latency_s
+        gpu_f = g_f + a_fwd + el_f + kern * lat
+        gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
+        g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
+        host_f = kern * coeffs.kernel_launch_s
+        host_b = kern * (2.0 + rec_k) * coeffs.kernel_launch_s
+        f = np.maximum(gpu_f, host_f)
+        b = np.maximum(gpu_b + g_w, host_b) - g_w
+        tpf = np.maximum(0.0, 4 * tp_one - coeffs.tp_overlap * g_f)
+        tpb = np.maximum(0.0, (4 + tp_rec) * tp_one - coeffs.tp_overlap * 2 * g_f)
+        if moe:   # EP dispatch + combine all-to-alls (Lepikhin et al. 2020, arXiv:2006.16668), each way
+            a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
+            a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp)
+            dual = table.schedule == SCHEDULES.index("DualPipeV")
+            exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
+            exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
+                             (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
+            out["ep_f"] += count * exp_f
+            out["ep_b"] += count * exp_b
+        out["F"] += count * f
+        out["B"] += count * b
+        out["W"] += count * g_w
+        out["tp_f"] += count * tpf
+        out["tp_b"] += count * tpb
+        out["cp_f"] += count * cp_f
+        out["cp_b"] += count * np.where(ac_full, cp_f, 0.0) + count * cp_b
+        frac = count / np.maximum(nd + nm, 1)
+        out["blockF"] += frac * f
+        out["blockBW"] += frac * (b + g_w)
+    # LM head + loss on the last stage (always on the critical rank)
+    head_f = gemm_time(tokens, model.dim, model.vocab_size / tp, r.gemm, r.mem, r.elt, r.elt)
+    loss = tokens * model.vocab_size / tp * (36 + 2 * r.elt) / r.mem
+    out["F"] += head_f + loss / 3
+    out["B"] += head_f + 2 * loss / 3
+    out["W"] += head_f
+    out["head_F"], out["head_BW"] = head_f + loss / 3, 2 * head_f + 2 * loss / 3
+    return out
+
+
+def bubble_microbatches(table, F, B, W) -> np.ndarray:
+    """Pipeline bubble, seconds, from per-micro-batch F/B/W of the busiest rank.
+
+    * GPipe, 1F1B: (pp-1)(F+B+W) -- Narayanan et al. 2021 (arXiv:2104.04473) Sec. 2.2.1:
+      bubble fraction (p-1)/m of the ideal time;
+    * Interleaved1F1B: (pp-1)(F+B+W)/v -- ibid. Sec. 2.2.2;
+    * ZBVZeroBubble: chunks are half a rank; (pp-1)(F_c + B_c - 2W_c) -- Qi et al. 2024
+      (arXiv:2401.10241) Sec. 2.2 (ZB-H2 bubble, which ZB-V reaches with 1F1B memory, Sec. 6);
+    * DualPipeV: (pp-1)(F&B_c + B_c + W_c - 3W_c) with F&B ~ F + B + W -- DeepSeek-V3 report
+      (arXiv:2412.19437) Table 2 ("full backward" B there = our B + W), V-shaped over pp ranks.
+    """
+    pp = table.pp.astype(np.float64) - 1
+    v = table.stages_per_rank.astype(np.float64)
+    full = F + B + W
+    s = table.schedule
+    bub = pp * full / v
+    z = s == SCHEDULES.index("ZBVZeroBubble")
+    bub = np.where(z, pp * np.maximum(F + B - 2 * W, 0.0) / 2, bub)
+    d = s == SCHEDULES.index("DualPipeV")
+    bub = np.where(d, pp * np.maximum(F + 2 * B - W, 0.0) / 2, bub)
+    return np.where(table.pp > 1, bub, 0.0)
+
+
+def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed data-parallel communication per step, optimizer-step memory traffic in bytes).
+
+    fsdp2 (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.3-3.4; ZeRO-3 volume,
+    Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 7): per block an all-gather of its bf16
+    parameters before forward (again before backward when reshard_after_forward) and a
+    reduce-scatter of its fp32 gradients after backward; HSDP adds an all-reduce of the
+    sharded gradients over dp_replicate.  The next block's all-gather is prefetched under the
+    current block's compute: exposed = max(0, comm - dp_overlap * compute) per block, plus the
+    first all-gather and the last reduce-scatter.  Without pipelining this repeats every
+    micro-batch (gradients are synchronised each one); with pipelining the schedule defers the
+    reduce-scatter to the last micro-batch and keeps parameters gathered (torch.distributed.
+    pipelining), so one all-gather pass and one reduce-scatter pass per step (plus a backward
+    all-gather per micro-batch when reshard_after_forward).  Dense blocks shard over
+    dp_shard*cp, experts over dp_shard*cp/ep.
+    megatron: the distributed optimizer (zero >= 1, ZeRO-1) reduce-scatters fp32 gradients and
+    all-gathers bf16 parameters once per step, overlapped with the last micro-batch's backward
+    and the first one's forward (Megatron-LM --overlap-grad-reduce / --overlap-param-gather);
+    zero = 0 all-reduces the fp32 gradients (Megatron reduces in fp32 for bf16 training).
+    Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
+    (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
+    """
+    rp = rank_params(table, model)
+    nmb = table.n_microbatches.astype(np.float64)
+    nblocks = layers_per_rank(table, model).astype(np.float64)
+    ov = coeffs.dp_overlap
+    if workload.state_layout == "fsdp2":
+        fs, efs, rep = links["fsdp"], links["efsdp"], links["dp_replicate"]
+        fsdp_n = (table.dp_shard * table.cp).astype(np.float64)
+        efsdp_n = fsdp_n / table.ep
+        nd, nm = layer_mix(table, model, first=False)
+        nb = np.maximum(nd + nm, 1)
+        dense_blk = (nd * rp["dense_block"] + nm * rp["moe_dense_block"]) / nb     # average block
+        exp_blk = nm * rp["moe_expert_block"] / nb
+
+        def block_collective(nbytes):   # all-gather or reduce-scatter of one block, dense and expert groups
+            return (ring_gather_time(fsdp_n, dense_blk * nbytes, fs.bw, fs.alpha)
+                    + ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha))
+        ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
+        ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha)
+        head = model.vocab_size * model.dim / table.tp.astype(np.float64)       # the root unit (LM head)
+        ag_h = ring_gather_time(fsdp_n, head * r.elt, fs.bw, fs.alpha)
+        rs_h = ring_gather_time(fsdp_n, head * 4.0, fs.bw, fs.alpha)
+        fwd_pass = (ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
+                    + np.maximum(0.0, ag_h - ov * st["head_F"]))
+        rs_pass = (rs + nblocks * np.maximum(0.0, rs + ar - ov * st["blockBW"])
+                   + np.maximum(0.0, rs_h - ov * st["head_BW"]))
+        ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])
+        rsf = table.reshard_after_forward.astype(np.float64)
+        dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass + rsf * ag_b_pass),
+                      fwd_pass + rs_pass + rsf * nmb * ag_b_pass)
+        dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
+        opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
+    else:
+        dpn = (table.dp_replicate * table.dp_shard * table.cp).astype(np.float64)
+        link = group_link(dpn, table.tp, hw, coeffs)
+        local = rp["last_dense"] + rp["last_expert"]
+        if workload.zero >= 1:
+            red = ring_gather_time(dpn, 4.0 * local, link.bw, link.alpha)
+            gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
+        else:
+            red, gath = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha), 0.0
+        dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
+        opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
+    return dp, opt_bytes
+
+
+# the columns the per-micro-batch times of a rank depend on (TP/CP/EP links have strides 1 / tp / tp)
+STAGE_COLUMNS = ("tp", "cp", "ep", "microbatch", "pp", "stages_per_rank", "schedule", "ac", "compile", "float8")
+
+
+def unique_rows(table, columns) -> tuple[np.ndarray, np.ndarray]:
+    """(index of one representative per distinct combination of `columns`, inverse map)."""
+    key = np.zeros(len(table), dtype=np.int64)
+    for c in columns:
+        v = getattr(table, c).astype(np.int64)
+        key = key * (int(v.max(initial=0)) + 1) + v
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
+def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndarray]:
+    n = len(table)
+    r = Rates(hw, workload, coeffs)
+    links = axis_links(table, hw, coeffs)
+    # per-micro-batch stage times: computed once per distinct stage configuration, then broadcast
+    rep, inverse = unique_rows(table, STAGE_COLUMNS)
+    sub = table.take(rep)
+    st = stage_times(sub, model, hw, workload, coeffs, axis_links(sub, hw, coeffs), r)
+    st = {k: np.asarray(v)[inverse] for k, v in st.items()}
+    nmb = table.n_microbatches.astype(np.float64)
+    per_mb_compute = st["F"] + st["B"] + st["W"]
+    per_mb = per_mb_compute + st["tp_f"] + st["tp_b"] + st["cp_f"] + st["cp_b"] + st["ep_f"] + st["ep_b"]
+    Fc = st["F"] + st["tp_f"] + st["cp_f"] + st["ep_f"]
+    Bc = st["B"] + st["tp_b"] + st["cp_b"] + st["ep_b"]
+    bubble = bubble_microbatches(table, Fc, Bc, st["W"])
+
+    dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st)
+
+    # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way
+    ppl = links["pp"]
+    sp = table.tp if workload.sequence_parallel else 1
+    p2p = p2p_time(table.microbatch * workload.seq_len / table.cp * model.dim * r.elt / sp, ppl.p2p_bw, ppl.alpha)
+    pp_p2p = np.where(table.pp > 1, 2.0 * (nmb * table.stages_per_rank + table.pp - 1) * p2p, 0.0)
+
+    other = opt_bytes / r.mem + coeffs.step_overhead_s + nmb * coeffs.microbatch_overhead_s
+    return {
+        "compute": nmb * per_mb_compute,
+        "tp_comm": nmb * (st["tp_f"] + st["tp_b"]),
+        "cp_comm": nmb * (st["cp_f"] + st["cp_b"]),
+        "ep_comm": nmb * (st["ep_f"] + st["ep_b"]),
+        "dp_comm": dp + np.zeros(n),
+        "pp_p2p": pp_p2p,
+        "pp_bubble": bubble,
+        "other": other + np.zeros(n),
+    }

@@ -1,0 +1,162 @@
+"""titan-plan end to end: tables, plan files, what-if estimates, bad input, no torch."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from planner.cli import main, parse_tokens
+from search_spaces.planfile import read_plan_file
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_parse_tokens():
+    assert parse_tokens("4M") == 4 * 2 ** 20
+    assert parse_tokens("512K") == 512 * 1024
+    assert parse_tokens("1048576") == 2 ** 20
+    with pytest.raises(ValueError):
+        parse_tokens("lots")
+
+
+def test_plan_70b_writes_plan(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    rc = main(["--model", "llama3-70b", "--gpus", "256", "--hardware", "h100-sxm", "--seq-len", "8192",
+               "--global-batch-tokens", "4M", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "top 10" in text and "rejected:" in text and "out of memory" in text
+    pf = read_plan_file(out)
+    p = pf["plan"]
+    assert p.world_size == 256 and p.global_batch() == 512
+    assert pf["model"] == "llama3-70b" and pf["workload"]["seq_len"] == 8192
+    pred = pf["predicted"]
+    assert 0 < pred["mfu"] < 1 and 0 < pred["peak_memory_gib"] <= 80
+    assert pred["tokens_per_s"] == pytest.approx(pred["tokens_per_s_per_gpu"] * 256, rel=1e-3)
+
+
+def test_plan_json(tmp_path, capsys):
+    rc = main(["--model", "llama3-8b", "--gpus", "64", "--hardware", "h100-sxm", "--global-batch", "256",
+               "--seq-len", "4096", "--json", "--no-write", "--top", "3"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert len(doc["top"]) == 3 and doc["n_feasible"] > 0 and doc["pareto"]
+    times = [r["predicted"]["step_time_s"] for r in doc["top"]]
+    assert times == sorted(times)
+    # the Pareto front trades memory for speed: memory up => tokens/s up
+    front = [(r["predicted"]["peak_memory_gib"], r["predicted"]["tokens_per_s"]) for r in doc["pareto"]]
+    assert len(front) > 1 and all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(front, front[1:]))
+    assert front[0][1] < front[-1][1]
+
+
+def test_estimate_from_flags_and_plan_file(tmp_path, capsys):
+    rc = main(["estimate", "--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm",
+               "--seq-len", "8192", "--global-batch-tokens", "16M", "--tp", "8", "--pp", "16",
+               "--ac", "full", "--schedule", "Interleaved1F1B", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["plan"]["dp_shard"] == 128 and doc["plan"]["n_microbatches"] == 16
+    assert doc["predicted"]["memory_gib"]["activations"] > 0
+    out = tmp_path / "p.yaml"
+    assert main(["--model", "llama3-8b", "--gpus", "16", "--hardware", "a100-80g", "--global-batch", "64",
+                 "--seq-len", "2048", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", "--plan", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "memory per device" in text and "time per step" in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "llama3-7b", "--gpus", "8", "--hardware", "h100-sxm"], "unknown model 'llama3-7b'"),
+    (["--model", "llama3-8b", "--gpus", "8", "--hardware", "h1000"], "unknown hardware 'h1000'"),
+    (["--model", "llama3-405b", "--gpus", "8", "--hardware", "a100-40g", "--seq-len", "8192",
+      "--global-batch", "8"], "no layout fits in memory"),
+    (["--model", "llama3-8b", "--gpus", "7", "--hardware", "h100-sxm", "--global-batch", "3"], "no layout is legal"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "12", "--hardware", "h100-sxm", "--tp", "3",
+      "--global-batch", "48"], "tp=3 must divide"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "16", "--hardware", "h100-sxm", "--tp", "2",
+      "--dp-shard", "2", "--global-batch", "16"], "world size is 16"),
+    (["--model", "llama3-8b", "--global-batch-tokens", "1000", "--seq-len", "256", "--gpus", "8",
+      "--hardware", "h100-sxm"], "not a multiple of --seq-len"),
+])
+def test_bad_input_one_line_exit_2(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_malformed_and_mistyped_yaml(tmp_path):
+    bad = tmp_path / "m.yaml"
+    bad.write_text("dim: [1, 2\n")
+    r = run_cli("--model", str(bad), "--gpus", "8", "--hardware", "h100-sxm")
+    assert r.returncode == 2 and "malformed YAML" in r.stderr
+    bad.write_text(textwrap.dedent("""\
+        dim: 512
+        n_layers: two
+        n_heads: 8
+        vocab_size: 1000
+        ffn_hidden: 1024
+    """))
+    r = run_cli("--model", str(bad), "--gpus", "8", "--hardware", "h100-sxm")
+    assert r.returncode == 2 and "'n_layers' must be an integer" in r.stderr
+    bad.write_text("dim: 512\nn_heads: 8\nvocab_size: 1000\nffn_hidden: 1024\n")
+    r = run_cli("--model", str(bad), "--gpus", "8", "--hardware", "h100-sxm")
+    assert r.returncode == 2 and "missing key 'n_layers'" in r.stderr
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"model": "llama3-8b", "plan": {"tp": 2, "dp_shard": 2, "pipeline": 2}}))
+    r = run_cli("estimate", "--plan", str(plan), "--hardware", "h100-sxm")
+    assert r.returncode == 2 and "unknown key 'pipeline'" in r.stderr
+
+
+def test_local_default_plans_without_torch(tmp_path):
+    """The default (local machine) plan works, and the planner never imports torch."""
+    code = ("import sys, planner.cli as c; rc = c.main(['--out', sys.argv[1]]); "
+            "assert 'torch' not in sys.modules, 'planner imported torch'; print('RC', rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "plan.yaml")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "RC 0" in r.stdout and "llama3-debug" in r.stdout
+    assert read_plan_file(tmp_path / "plan.yaml")["plan"].world_size >= 1
+
+
+def test_list_presets(capsys):
+    assert main(["list", "models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("llama3-debug", "llama3-405b", "deepseek-v3-671b", "qwen3-30b-a3b", "mixtral-8x7b", "moe-debug"):
+        assert name in out
+    assert main(["list", "hardware"]) == 0
+    out = capsys.readouterr().out
+    for name in ("a100-40g", "a100-80g", "h100-sxm", "h200", "b200", "mi300x", "cpu"):
+        assert name in out
+
+
+def test_pareto_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "front.png"
+    assert main(["--model", "llama3-8b", "--gpus", "32", "--hardware", "h100-sxm", "--global-batch", "128",
+                 "--seq-len", "4096", "--no-write", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pareto_front_is_exactly_the_non_dominated_set():
+    import numpy as np
+
+    from planner.rank import pareto_front
+
+    rng = np.random.default_rng(0)
+    mem, tps = rng.integers(1, 50, 300).astype(float), rng.integers(1, 50, 300).astype(float)
+    est = type("E", (), {"peak_memory_bytes": mem, "tokens_per_s": tps})()
+    idx = np.arange(300)
+    front = set(pareto_front(est, idx).tolist())
+    brute = {i for i in idx if not any((mem[j] <= mem[i] and tps[j] > tps[i]) or
+                                       (mem[j] < mem[i] and tps[j] >= tps[i]) for j in idx)}
+    # ties (same memory and tokens/s) keep one representative
+    key = lambda s: {(mem[i], tps[i]) for i in s}  # noqa: E731
+    assert key(front) == key(brute) and len(front) == len(key(front))

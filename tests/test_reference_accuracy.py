@@ -1,0 +1,81 @@
+"""The cost model against published runs and vTrain's measurements (bench/validate_*.py).
+
+Targets: median absolute percentage error <= 10% on throughput and on memory over the
+published rows the model can express; vTrain: Spearman rho >= 0.8 in every model group
+(cross-validated calibration) and the predicted-best layout within 10% of the measured
+best in most workloads.  Skipped when the reference data are not there.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+vr = _load("validate_reference")
+vt = _load("validate_vtrain")
+REF = vr.reference_dir()
+needs_runs = pytest.mark.skipif(not (REF / "published_runs.yaml").is_file(),
+                                reason=f"reference data not found under {REF} (set TITAN_REFERENCE_DIR)")
+needs_vtrain = pytest.mark.skipif(not (REF / "vtrain_a100_single_node.csv").is_file(),
+                                  reason=f"vTrain data not found under {REF} (set TITAN_REFERENCE_DIR)")
+
+
+@pytest.fixture(scope="module")
+def published():
+    cases, skipped = vr.build_cases(vr.load_rows(REF))
+    return cases, skipped, vr.evaluate(cases)
+
+
+@needs_runs
+def test_published_runs_median_ape_within_10_percent(published):
+    cases, skipped, results = published
+    s = vr.summarize(results)
+    assert s["throughput"]["n"] >= 30 and s["memory"]["n"] >= 20
+    assert s["throughput"]["median_ape"] <= 10.0, s["throughput"]
+    assert s["memory"]["median_ape"] <= 10.0, s["memory"]
+
+
+@needs_runs
+def test_every_row_is_expressed_or_explained(published):
+    cases, skipped, results = published
+    assert len(cases) + len(skipped) == len(vr.load_rows(REF))
+    assert all(len(why) > 20 for _, why in skipped)
+    assert all(r["why"] for r in results if not r["counted"])
+
+
+@needs_runs
+def test_korthikanti_memory_rows_within_10_percent(published):
+    _, _, results = published
+    rows = [r for r in results if r["id"].startswith("korthikanti")]
+    assert len(rows) == 16
+    for r in rows:
+        assert r["ape"] <= 10.0, r
+
+
+@needs_vtrain
+def test_vtrain_ranking():
+    rows = vt.load_rows(REF)
+    pred, fitted = vt.cross_validated_predictions(rows)
+    groups = vt.evaluate(rows, pred)
+    assert len(groups) == 8
+    for key, g in groups.items():
+        assert g["rho"] >= vt.RHO_TARGET, (key, g)
+    ok = sum(g["picks_ok"] for g in groups.values())
+    tot = sum(g["workloads"] for g in groups.values())
+    assert ok / tot >= 2 / 3, (ok, tot)
+    # the defaults alone still rank the groups positively
+    default = vt.evaluate(rows, vt.predict_ms(rows))
+    assert min(g["rho"] for g in default.values()) >= 0.7
