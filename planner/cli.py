@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "needs the 'plot' extra (matplotlib)")
     pp.add_argument("--memory-margin", type=float, default=0.0,
                     help="keep this fraction of usable memory free (default 0.0)")
+    pp.add_argument("--dry-run", type=int, default=0, metavar="K",
+                    help="apply the top K candidates for the full world in one process on the meta device "
+                         "(titan-run --dry-run, needs torch): drop those the executor cannot apply, and compare "
+                         "their exact per-rank state bytes with the analytic model")
     t = pp.add_argument_group("measured trials (short real runs of the best candidates through titan-run)")
     t.add_argument("--trials", type=int, default=0, metavar="N", help="run N trials (default 0: analytic only)")
     t.add_argument("--trial-steps", type=int, default=6, help="steps per trial, the first 2 untimed (default 6)")
@@ -248,6 +252,19 @@ def cmd_plan(args) -> int:
         "inputs": inputs,
         "provenance": report.provenance(["titan-plan"] + sys.argv[1:], res.n_candidates),
     }
+    dry_rows = None
+    if args.dry_run:
+        from .dry_run import dry_run_candidates
+        print(f"[titan-plan] dry-running the top {args.dry_run} candidates ...", file=sys.stderr, flush=True)
+        dry_rows = dry_run_candidates(res, [int(i) for i in res.order[: args.dry_run]], model_ref=_model_ref(args),
+                                      workload=contents["workload"])
+        failed = {r["index"] for r in dry_rows if r["status"] != "ok"}
+        if failed:   # the executor cannot apply these: they leave the ranking
+            res.order = res.order[[int(i) not in failed for i in res.order]]
+            best = res.best()
+            top = res.order[: max(1, args.top)]
+            contents["plan"] = res.table.plan(best)
+            contents["predicted"] = report.predicted(res.est, best)
     trial_rows = None
     if args.trials:
         chosen, measured, trial_rows = _run_trials(args, res, space, contents, workload, gpus, local)
@@ -281,6 +298,13 @@ def cmd_plan(args) -> int:
         print("rejected:")
         for r in res.rejected:
             print(f"  {r.count:>9,} {r.unit}: {r.reason}")
+        print()
+    if dry_rows:
+        print("dry run (exact per-rank parameter + gradient + optimizer bytes of the worst rank):")
+        for r in dry_rows:
+            tag = (f"{r['dry_run_state_bytes'] / 2**30:9.3f} GiB, analytic/dry-run {r['state_ratio']:.3f}"
+                   if r["status"] == "ok" else f"FAILED: {r['error']}")
+            print(f"  {report.layout_str(r['plan']):<20} {report.knobs_str(r['plan']):<34} {tag}")
         print()
     if trial_rows:
         print(f"measured trials (best first), study '{args.study_name or 'default'}' in {args.storage}:")

@@ -1,0 +1,210 @@
+"""`titan-run`: train with a plan file (or the default small model) on this node.
+
+    titan-run                                   # llama3-debug, seq 256, on the local devices
+    titan-run --plan plan.yaml --nproc-per-node 8 --steps 100 --set train.lr=1e-3
+    titan-run --self-test --nproc-per-node 8    # one collective per mesh axis, shard shapes
+    torchrun --nproc-per-node 8 -m executor.cli --plan plan.yaml   # started by a launcher
+
+Exit codes: 0 success, 2 bad input (one line on stderr, before any process
+group starts), 1 a failure during the run (the failing rank's traceback is
+shown; the other ranks are stopped).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError, load_run_config
+from .launch import is_worker, run_torchrun, single_process_env
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="titan-run", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Plan file keys: model, hardware, workload {seq_len, global_batch}, plan {...}, "
+                                       "train {steps, lr, warmup, seed, data, tokenizer, dtype, ...}.")
+    p.add_argument("--plan", help="plan YAML (as written by titan-plan); default: llama3-debug on the local devices")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, dest="nproc",
+                   help="worker processes (default: the GPUs; without a GPU, the plan's world size, or 2)")
+    p.add_argument("--steps", type=int, help="training steps (overrides train.steps)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key: plan.tp=2, train.lr=1e-3, workload.seq_len=128, model=..., or a bare key")
+    p.add_argument("--run-dir", help="where metrics.jsonl, plan.yaml and summary.json go (default runs/<timestamp>)")
+    p.add_argument("--self-test", action="store_true", help="check every mesh axis and the shard shapes, then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="apply the plan for --world N ranks in one process on the meta device (fake process "
+                        "group) and report each rank's exact state bytes; see 'titan-run --dry-run --help'")
+    args = p.parse_args(argv)
+    if args.nproc is not None and args.nproc < 1:
+        p.error("--nproc-per-node must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        p.error("--steps must be >= 1")
+    return args
+
+
+def cpu_default_nproc(args) -> int:
+    """Without a GPU: the plan file's world size, or 2 processes for the default layout."""
+    if args.plan and not args.self_test:
+        try:
+            from .config import apply_overrides, parse_overrides, read_plan_file
+            from search_spaces.plan import Plan
+            raw = apply_overrides(read_plan_file(args.plan), parse_overrides(args.set))
+            return Plan.from_dict(raw.get("plan") or {}).world_size
+        except (ValueError, TypeError):
+            pass          # reported properly by load_config
+    return 2
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def fail(msg: str) -> int:
+    print(f"titan-run: error: {msg}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
+
+
+def load_config(args, world_size: int):
+    if args.self_test:
+        from .self_test import self_test_config
+        return self_test_config(args.plan, args.set, world_size)
+    return load_run_config(args.plan, args.set, world_size=world_size, steps=args.steps)
+
+
+# --------------------------------------------------------------------------- launcher side
+def launcher_main(args, argv: list[str]) -> int:
+    import torch
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = args.nproc or (n_gpu if n_gpu else cpu_default_nproc(args))
+    if n_gpu and nproc > n_gpu:
+        return fail(f"--nproc-per-node {nproc} is more than the {n_gpu} GPUs of this node")
+    try:
+        load_config(args, nproc)
+    except (ConfigError, ValueError) as e:
+        return fail(str(e))
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    run_dir = run_dir.resolve()
+    child_args = strip_option(argv, "--run-dir") + ["--run-dir", str(run_dir)]
+    child_args = strip_option(child_args, "--nproc-per-node", "--nproc_per_node")
+    if nproc == 1:
+        single_process_env()
+        return worker_main(parse_args(child_args))
+    rc = run_torchrun(nproc, child_args)
+    if rc != 0 and not args.self_test:
+        write_failure_summary(run_dir, rc)
+    return rc
+
+
+def strip_option(argv: list[str], *names: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if any(a.startswith(n + "=") for n in names):
+            continue
+        out.append(a)
+    return out
+
+
+def write_failure_summary(run_dir: Path, rc: int) -> None:
+    """summary.json with status error/oom when the workers failed (for trials)."""
+    errors = []
+    for f in sorted((run_dir / "ranks").glob("rank*.error.json")) if (run_dir / "ranks").is_dir() else []:
+        try:
+            errors.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    status = "oom" if any("OutOfMemory" in e.get("type", "") for e in errors) else "error"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps({"status": status, "exit_code": rc, "errors": errors},
+                                                     indent=1))
+
+
+# --------------------------------------------------------------------------- worker side
+def worker_main(args) -> int:
+    """Runs in every rank; ends the process with os._exit (see the gloo teardown caveat)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        cfg = load_config(args, world)
+    except (ConfigError, ValueError) as e:
+        if rank == 0:
+            fail(str(e))
+        os._exit(EXIT_BAD_INPUT)
+
+    from .mesh import init_distributed
+    from .train import print_error
+    run_dir = None
+    try:
+        init_distributed(cfg.train.pg_timeout_s)
+        run_dir = shared_run_dir(args.run_dir)
+        if args.self_test:
+            from .self_test import run_self_test
+            code = 0 if run_self_test(cfg) else 1
+        else:
+            from .train import train
+            train(cfg, run_dir)
+            code = 0
+    except BaseException as e:     # noqa: BLE001 - report, then leave without waiting for peers
+        print_error(rank, e)
+        if run_dir is not None:
+            write_rank_error(run_dir, rank, e)
+        sys.stdout.flush()
+        os._exit(1)
+    finish(code)
+
+
+def shared_run_dir(given: str | None) -> Path:
+    import torch.distributed as dist
+    if given:
+        return Path(given)
+    box = [str(default_run_dir().resolve())]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def write_rank_error(run_dir: Path, rank: int, e: BaseException) -> None:
+    try:
+        d = run_dir / "ranks"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank{rank}.error.json").write_text(json.dumps({"rank": rank, "type": type(e).__name__,
+                                                              "message": str(e)[:2000]}))
+    except OSError:
+        pass
+
+
+def finish(code: int):
+    """barrier -> destroy the process group -> flush -> os._exit (avoids the gloo teardown abort)."""
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:   # one process, fake process group of the target world: see executor/dry_run.py
+        from .dry_run import main as dry_run_main
+        return dry_run_main([a for a in argv if a != "--dry-run"])
+    args = parse_args(argv)
+    if is_worker():
+        return worker_main(args)
+    return launcher_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

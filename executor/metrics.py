@@ -1,0 +1,375 @@
+"""Per-step measurements and where they are written.
+
+Communication time per mesh axis (:class:`CommTimer`)
+    Method: while installed, the public collective entry points are wrapped
+    with timers -- every ``torch.distributed`` collective / P2P function
+    (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+    ``batch_isend_irecv``, ...; FSDP2, pipeline and ring attention use these),
+    ``Work.wait`` (the wait of their async versions), and the functional
+    collectives DTensor uses for TP/SP and ``loss_parallel``.  The time is
+    charged to the mesh axis whose process group the call names.  What is
+    measured is the time the training thread spends inside these calls (the
+    launch, plus the wait for async ones): the *exposed* communication time on
+    that rank, not the time the network is busy while compute overlaps.
+    Functional collectives are waited for right away (their completion is
+    timed), which removes the little overlap they could have had.
+    Limits: collectives issued from inside a compiled region (TP collectives of
+    a compiled block) run in generated code and are not seen; time waiting for
+    a slower peer counts as communication; nested calls count once.
+
+Peak memory per rank
+    GPU: the CUDA caching allocator's ``max_memory_reserved`` per step (what an
+    OOM is about; ``max_memory_allocated`` is reported too).
+    CPU: on one step (``train.profile_step``), the CPU allocator's allocation
+    and free events are recorded with ``torch.profiler(profile_memory=True)``
+    (this sees compiled code too, and storage resizes); peak = bytes of the
+    training state alive at the step start (parameters, gradients, optimizer
+    state) + the highest running total of bytes allocated minus freed during
+    the step.  Not process RSS.
+
+MFU = tokens/s per device x ``cost_models.flops.flops_per_token`` / peak FLOP/s
+of the hardware spec (bf16 or fp32 peak, matching the compute dtype).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# --------------------------------------------------------------------------- communication
+_C10D_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "reduce", "gather", "scatter",
+               "all_gather_object", "broadcast_object_list", "all_reduce_coalesced")
+_FUNCOL_FUNCS = ("broadcast", "all_reduce", "all_reduce_coalesced", "all_gather_tensor",
+                 "all_gather_tensor_autograd", "all_gather_single", "all_gather_into_tensor_coalesced",
+                 "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_single",
+                 "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd",
+                 "permute_tensor")
+
+
+class CommTimer:
+    """Exposed communication seconds per axis (see the module docstring)."""
+
+    def __init__(self, group_to_axis: dict[str, str]):
+        self.group_to_axis = dict(group_to_axis)
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._pending: dict[int, str] = {}     # id(Work) -> axis
+        self._tls = threading.local()
+        self._saved: list[tuple[object, str, object]] = []
+
+    # -- bookkeeping
+    def reset(self) -> None:
+        self.seconds, self.calls = {}, {}
+        self._pending.clear()
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    def _axis(self, group) -> str:
+        try:
+            if group is None:
+                group = dist.group.WORLD
+            if isinstance(group, str):
+                name = group
+            elif isinstance(group, dist.ProcessGroup):
+                name = group.group_name
+            else:
+                import torch.distributed._functional_collectives as funcol
+                name = funcol._resolve_group_name(group)
+        except Exception:
+            return "other"
+        return self.group_to_axis.get(name, "other")
+
+    def _add(self, axis: str, dt: float) -> None:
+        self.seconds[axis] = self.seconds.get(axis, 0.0) + dt
+        self.calls[axis] = self.calls.get(axis, 0) + 1
+
+    # -- wrappers
+    def _wrap_c10d(self, fn):
+        sig = inspect.signature(fn)
+        timer = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling() or getattr(timer._tls, "depth", 0):
+                return fn(*args, **kwargs)
+            if fn.__name__ == "batch_isend_irecv":
+                ops = args[0] if args else kwargs.get("p2p_op_list", [])
+                group = getattr(ops[0], "group", None) if ops else None
+            else:
+                try:
+                    group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+                except TypeError:
+                    group = None
+            axis = timer._axis(group)
+            timer._tls.depth = 1
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                timer._tls.depth = 0
+                timer._add(axis, time.perf_counter() - t0)
+            works = out if isinstance(out, list) else [out]
+            for w in works:
+                if isinstance(w, dist.Work):
+                    timer._pending[id(w)] = axis
+            return out
+        return wrapper
+
+    def _wrap_funcol(self, fn):
+        sig = inspect.signature(fn)
+        timer = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling() or getattr(timer._tls, "depth", 0):
+                return fn(*args, **kwargs)
+            try:
+                group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+            except TypeError:
+                group = None
+            axis = timer._axis(group)
+            timer._tls.depth = 1
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+                for t in (out if isinstance(out, (list, tuple)) else [out]):
+                    wait = getattr(t, "wait", None)
+                    if callable(wait) and isinstance(t, torch.Tensor):
+                        wait()     # time to completion (AsyncCollectiveTensor)
+            finally:
+                timer._tls.depth = 0
+                timer._add(axis, time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    def _wrap_wait(self, orig_wait):
+        timer = self
+
+        def wait(work, *args, **kwargs):
+            axis = timer._pending.pop(id(work), None)
+            if axis is None or getattr(timer._tls, "depth", 0):
+                return orig_wait(work, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return orig_wait(work, *args, **kwargs)
+            finally:
+                timer._add(axis, time.perf_counter() - t0)
+        return wait
+
+    # -- install / uninstall
+    def _patch(self, owner, name, new):
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def install(self) -> "CommTimer":
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+        for name in _C10D_FUNCS:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            wrapped = self._wrap_c10d(fn)
+            self._patch(dist, name, wrapped)
+            if getattr(c10d, name, None) is fn:
+                self._patch(c10d, name, wrapped)
+        for name in _FUNCOL_FUNCS:
+            fn = getattr(funcol, name, None)
+            if fn is not None:
+                self._patch(funcol, name, self._wrap_funcol(fn))
+        self._patch(dist.Work, "wait", self._wrap_wait(dist.Work.wait))
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved.clear()
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """all-gather into one tensor (``all_gather_single`` where it exists: the older name is deprecated)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+# --------------------------------------------------------------------------- memory
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        key = st.data_ptr()
+        if key in seen or st.device.type == "meta":
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def training_state_bytes(params, optimizer) -> int:
+    tensors = list(params) + [p.grad for p in params]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return _storage_bytes(tensors)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the profiler's C++ start/stop banners (fd 2) while it starts and stops."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class CpuPeakMemory:
+    """Context manager: peak CPU tensor bytes of one step (see the module docstring)."""
+
+    def __init__(self, baseline_bytes: int):
+        self.baseline = baseline_bytes
+        self.peak_bytes: int | None = None
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.peak_bytes = self.baseline + max(0, _peak_from_events(self._prof))
+        return False
+
+
+def _peak_from_events(prof) -> int:
+    from torch._C._profiler import _EventType
+    allocs = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == "cpu":
+            allocs.append((ev.start_time_ns, ev.extra_fields.alloc_size))
+        stack.extend(ev.children)
+    allocs.sort()
+    cur = peak = 0
+    for _, size in allocs:
+        cur += size
+        peak = max(peak, cur)
+    return peak
+
+
+# --------------------------------------------------------------------------- hardware, MFU
+_GPU_NAMES = (("h200", "h200"), ("h100", "h100-sxm"), ("b200", "b200"), ("mi300", "mi300x"),
+              ("a100-sxm4-40", "a100-40g"), ("a100-pcie-40", "a100-40g"), ("a100", "a100-80g"))
+
+
+def hardware_for_device(device: torch.device, override: str | None):
+    """The hardware spec for MFU: the override, else the CPU preset or the GPU matched by name."""
+    from cost_models.specs import load_hardware
+    if override:
+        return load_hardware(override)
+    if device.type == "cpu":
+        return load_hardware("cpu")
+    name = torch.cuda.get_device_name(device).lower().replace(" ", "-")
+    for key, preset in _GPU_NAMES:
+        if key in name:
+            return load_hardware(preset)
+    return None
+
+
+def flops_per_token(spec, seq_len: int) -> float | None:
+    """`cost_models.flops.flops_per_token`, or None (with a warning) when it is not available."""
+    try:
+        from cost_models.flops import flops_per_token as fpt
+    except ImportError as e:
+        print(f"titan-run: warning: MFU unavailable: cost_models.flops.flops_per_token cannot be imported ({e})",
+              file=sys.stderr)
+        return None
+    return float(fpt(spec, seq_len))
+
+
+def mfu(tokens_per_s_per_device: float, fpt: float | None, peak_flops: float | None) -> float | None:
+    if not fpt or not peak_flops:
+        return None
+    return tokens_per_s_per_device * fpt / peak_flops
+
+
+# --------------------------------------------------------------------------- writing
+class MetricsWriter:
+    """Rank 0 only: ``metrics.jsonl``, a console progress line, TensorBoard when available."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, tensorboard: bool):
+        self.enabled, self.total = enabled, total_steps
+        self.path = run_dir / "metrics.jsonl"
+        self._f = self.path.open("w") if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:   # tensorboard not installed: JSONL only
+                self._tb = None
+
+    def write(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self._tb.add_scalar(k, v, rec["step"])
+            for axis, v in (rec.get("comm_s") or {}).items():
+                self._tb.add_scalar(f"comm_s/{axis}", v, rec["step"])
+        print(progress_line(rec, self.total), flush=True)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt_bytes(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.0f}MiB" if b < 2**30 else f"{b / 2**30:.2f}GiB"
+
+
+def progress_line(rec: dict, total: int) -> str:
+    mfu_s = "-" if rec.get("mfu") is None else f"{100 * rec['mfu']:.1f}%"
+    comm = rec.get("comm_s") or {}
+    comm_s = " ".join(f"{k}={1000 * v:.0f}" for k, v in sorted(comm.items()) if v >= 5e-4)
+    return (f"step {rec['step']:>{len(str(total))}}/{total}  loss {rec['loss']:.4f}  gnorm {rec['grad_norm']:.3f}  "
+            f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s ({rec['tokens_per_s_per_device']:,.0f}/dev)  "
+            f"mfu {mfu_s}  step {1000 * rec['step_time_s']:.0f}ms  data {1000 * rec['data_time_s']:.0f}ms  "
+            f"mem {_fmt_bytes(rec.get('peak_memory_bytes_max'))}"
+            + (f"  comm ms[{comm_s}]" if comm_s else ""))

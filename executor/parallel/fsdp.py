@@ -1,0 +1,107 @@
+"""FSDP2 (``fully_shard``) per block and at the root; HSDP on a 2-D mesh.
+
+The FSDP ranks are ``dp_shard x cp`` (context-parallel ranks hold different
+tokens of the same sequences, so their gradients are averaged too); with
+``dp_replicate > 1`` the mesh is 2-D (dp_replicate, dp_shard_cp): parameters
+are sharded within a replica group and all-reduced across groups (HSDP).
+
+Blocks use the plan's ``reshard_after_forward``; the root (embedding, final
+norm, LM head) keeps its parameters after forward, as the FSDP2 docs
+recommend, since backward needs them first.  Mixed precision: parameters are
+gathered in ``param_dtype`` (bf16 on GPU) and gradients reduced in fp32.
+
+spmd_types backend (:func:`apply_fsdp_spmd`, torch >= 2.14): every parameter
+is annotated with its local SPMD type -- Replicate (R) on each data-parallel
+mesh axis -- and ``fully_shard`` gets the SPMD mesh plus
+``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)``; FSDP then
+derives its storage placements from the annotations and restores them on the
+gathered parameters, so the step can run under ``spmd_types`` type checking
+(:func:`spmd_typecheck`): inputs are Varying (V) over the dp axes, and the
+loss is declared a pending sum (V -> P, :func:`spmd_loss`) before backward --
+the checker rejects ``backward()`` on a Varying loss, which is exactly the
+missing-gradient-reduction bug it exists to catch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def _mp_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
+                                reduce_dtype=None if reduce_dtype == param_dtype == torch.float32 else reduce_dtype)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool) -> None:
+    mp = _mp_policy(param_dtype, reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+
+
+# --------------------------------------------------------------------------- spmd_types
+def spmd_fsdp_supported() -> str | None:
+    """None if FSDP2 + spmd_types can run here, else the reason it cannot."""
+    import inspect
+    try:
+        import spmd_types  # noqa: F401
+    except ImportError:
+        return "spmd_types is not installed (pip install spmd-types)"
+    if "dp_mesh_dims" not in inspect.signature(fully_shard).parameters:
+        return "this torch's fully_shard has no dp_mesh_dims (spmd_types support needs torch >= 2.14)"
+    import torch.distributed as dist
+    if not getattr(dist, "_is_spmd_types_available", lambda: False)():
+        return "torch.distributed reports spmd_types unavailable"
+    return None
+
+
+def _axes(mesh: DeviceMesh) -> dict:
+    import spmd_types as spmd
+    return {name: spmd.MeshAxis.of(mesh.get_group(name)) for name in mesh.mesh_dim_names}
+
+
+def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: torch.dtype,
+                    reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """FSDP2 over the data-parallel axes of `spmd_mesh` (names dp_replicate and/or dp_shard) with typed params."""
+    import spmd_types as spmd
+    from torch.distributed.fsdp import DataParallelMeshDims
+    names = spmd_mesh.mesh_dim_names
+    axes = _axes(spmd_mesh)
+    for p in model.parameters():
+        spmd.assert_type(p, {axes[n]: spmd.R for n in names})
+    dims = DataParallelMeshDims(shard="dp_shard" if "dp_shard" in names else None,
+                                replicate="dp_replicate" if "dp_replicate" in names else None)
+    mp = _mp_policy(param_dtype, reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=spmd_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    dp_mesh_dims=dims)
+    fully_shard(model, mesh=spmd_mesh, reshard_after_forward=False, mp_policy=mp, dp_mesh_dims=dims)
+
+
+@contextlib.contextmanager
+def spmd_typecheck():
+    """spmd_types runtime type checking; permissive, so tensors made inside the model
+    (RoPE tables from ``arange``) may stay unannotated."""
+    from spmd_types.checker import typecheck
+    with typecheck(strict_mode="permissive"):
+        yield
+
+
+def spmd_batch(t: torch.Tensor, spmd_mesh: DeviceMesh) -> torch.Tensor:
+    """Declare a batch tensor Varying (each dp rank holds different sequences)."""
+    import spmd_types as spmd
+    spmd.assert_type(t, {a: spmd.V for a in _axes(spmd_mesh).values()})
+    return t
+
+
+def spmd_loss(loss: torch.Tensor, spmd_mesh: DeviceMesh) -> torch.Tensor:
+    """Varying per-rank loss -> Partial: the global loss is the (pending) reduction over the dp axes."""
+    import spmd_types as spmd
+    for name in spmd_mesh.mesh_dim_names:
+        loss = spmd.reinterpret(loss, spmd_mesh.get_group(name), src=spmd.V, dst=spmd.P)
+    return loss

@@ -1,0 +1,66 @@
+"""Tokenizers: a byte-level one that needs nothing, and HF ``tokenizer.json`` files.
+
+The byte tokenizer maps each UTF-8 byte to its value (0..255) and adds three
+specials: BOS 256, EOS 257, PAD 258 (vocabulary 259, which fits the 512 of
+``llama3-debug``).  A HF ``tokenizer.json`` is read with the ``tokenizers``
+package when it is installed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class ByteTokenizer:
+    name = "bytes"
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int64)
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` (Hugging Face ``tokenizers``)."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(f"tokenizer '{path}' is a tokenizer.json, which needs the 'tokenizers' package "
+                             "(pip install tokenizers)") from None
+        self.name = str(path)
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._special(("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|endoftext|>"))
+        self.eos_id = self._special(("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>"))
+        self.pad_id = self._special(("<pad>", "[PAD]", "<|pad|>"))
+
+    def _special(self, names) -> int | None:
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        return self.encode(data.decode("utf-8", errors="replace"))
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(name: str):
+    if name == "bytes":
+        return ByteTokenizer()
+    return HFTokenizer(name)

@@ -1,0 +1,379 @@
+"""The training loop of `titan-run`, top to bottom.
+
+:func:`train` does, in order:
+
+1. process group, device, mesh (``executor.mesh``)
+2. model on the meta device -> pipeline split -> parallelize (TP/SP, CP, AC,
+   compile, FSDP) -> ``to_empty`` -> layout-independent init
+3. AdamW + linear warmup / cosine LR
+4. data: packed sequences, sharded by dp rank
+5. the loop: batch -> forward/backward (gradient accumulation, or the
+   pipeline schedule) -> global grad-norm clip -> optimizer step -> metrics
+
+The loss of a step is the mean over every token of the global batch, so a
+run of any layout matches a single-process run of the same model, data and
+seed (to fp32 rounding).  :func:`setup` and :func:`train_step` are separate so
+benchmarks can drive the very same step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .config import RunConfig, dump_resolved
+from .data import PackedBatches, build_batches
+from .init import init_weights
+from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
+from .metrics import (CommTimer, CpuPeakMemory, MetricsWriter, all_gather_flat, flops_per_token,
+                      hardware_for_device, mfu, training_state_bytes)
+from .models.llama import Transformer
+from .parallel import Precision, parallelize, resolve_backend
+from .parallel.fsdp import spmd_batch, spmd_loss, spmd_typecheck
+from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
+
+COMM_AXES = AXES + FLAT_AXES + ("world", "self", "other")
+
+
+@dataclass
+class Trainer:
+    cfg: RunConfig
+    device: torch.device
+    meshes: Meshes
+    precision: Precision
+    stages: list[tuple[int, nn.Module]]      # [(stage index, module)]; [(0, model)] without PP
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: PackedBatches
+    runner: object | None                    # PipelineRunner when pp > 1
+    backend: str
+    comm: CommTimer
+    losses: list[float] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- setup
+def resolve_precision(cfg: RunConfig, device: torch.device) -> Precision:
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = cfg.resolved.get("workload", {}).get("dtype", "bf16") if device.type == "cuda" else "fp32"
+    if dtype == "bf16":
+        return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return Precision(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def loss_context(cfg: RunConfig):
+    """`loss_parallel()` when the logits are vocab-sharded (tp > 1), else nothing."""
+    return loss_parallel() if cfg.plan.tp > 1 else contextlib.nullcontext()
+
+
+def build_model(cfg: RunConfig, meshes: Meshes, device: torch.device, precision: Precision, backend: str
+                ) -> list[tuple[int, nn.Module]]:
+    plan = cfg.plan
+    with torch.device("meta"):
+        model = Transformer(cfg.spec)
+    init_rule = model.init_rule
+    if plan.pp > 1:
+        from .parallel.pipeline import pipeline_split
+        stages = pipeline_split(model, plan, meshes.pp)
+    else:
+        stages = [(0, model)]
+    for _, module in stages:
+        parallelize(module, plan, meshes, precision=precision, backend=backend)
+    for _, module in stages:
+        module.to_empty(device=device)
+        init_weights(module, init_rule, seed=cfg.train.seed, device=device)
+    return stages
+
+
+def build_optimizer(stages, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices/embeddings only; one param group per mesh (foreach needs one mesh)."""
+    t = cfg.train
+    groups: dict[tuple, list] = {}
+    for _, module in stages:
+        for p in module.parameters():
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            groups.setdefault((mesh, p.ndim >= 2), []).append(p)
+    param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
+                    for (_, decay), ps in groups.items()]
+    impl = t.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kwargs)
+
+
+def lr_lambda(cfg: RunConfig):
+    """Linear warmup to lr over `warmup` steps, then cosine down to lr*min_lr_ratio at the last step."""
+    t = cfg.train
+
+    def factor(step: int) -> float:        # step = optimizer steps taken so far
+        if step < t.warmup:
+            return (step + 1) / t.warmup
+        progress = min(1.0, (step - t.warmup) / max(1, t.steps - t.warmup))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def setup(cfg: RunConfig) -> Trainer:
+    # 1. process group, device, mesh
+    device = init_distributed(cfg.train.pg_timeout_s)
+    if device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    meshes = build_meshes(cfg.plan, device.type)
+    torch.manual_seed(cfg.train.seed)
+    precision = resolve_precision(cfg, device)
+    backend = resolve_backend(cfg.plan, meshes, announce=dist.get_rank() == 0)
+
+    # 2. model: meta -> split -> parallelize -> materialize -> init
+    stages = build_model(cfg, meshes, device, precision, backend)
+    params = [p for _, m in stages for p in m.parameters()]
+    runner = None
+    if cfg.plan.pp > 1:
+        from .parallel.pipeline import build_schedule
+        runner = build_schedule(stages, cfg.plan, meshes.pp, cross_entropy, device,
+                                step_context=lambda: loss_context(cfg))
+
+    # 3. optimizer and LR schedule
+    optimizer = build_optimizer(stages, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    # 4. data: this rank's share of each global batch
+    batches = build_batches(cfg, dp_rank=meshes.dp.get_local_rank(), dp_size=meshes.dp.size())
+    comm = CommTimer(meshes.group_names())
+    return Trainer(cfg=cfg, device=device, meshes=meshes, precision=precision, stages=stages, params=params,
+                   optimizer=optimizer, scheduler=scheduler, batches=batches, runner=runner, backend=backend,
+                   comm=comm)
+
+
+# --------------------------------------------------------------------------- one step
+def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Gradients of the mean loss of this rank's batch; returns that loss (a plain tensor, this rank's share)."""
+    plan, meshes = tr.cfg.plan, tr.meshes
+    tokens, labels = tokens.to(tr.device, non_blocking=True), labels.to(tr.device, non_blocking=True)
+    if plan.pp > 1:
+        positions = torch.arange(tokens.shape[1], device=tr.device)
+        if plan.cp > 1:
+            from .parallel.context_parallel import cp_shard_batch
+            tokens, labels, positions = cp_shard_batch(tokens, labels, meshes.cp)
+        loss = tr.runner.step(tokens, labels, positions)
+        return loss.float() if loss is not None else torch.zeros((), device=tr.device)
+
+    model = tr.stages[0][1]
+    n = plan.n_microbatches
+    spmd = tr.backend == "spmd_types"
+    total = torch.zeros((), device=tr.device)
+    for tok, lab in zip(tokens.chunk(n), labels.chunk(n)):     # gradient accumulation
+        positions = None
+        if plan.cp > 1:
+            from .parallel.context_parallel import cp_shard_batch
+            tok, lab, positions = cp_shard_batch(tok, lab, meshes.cp)
+        with loss_context(tr.cfg), (spmd_typecheck() if spmd else contextlib.nullcontext()):
+            if spmd:      # spmd_types backend: typed batch, loss declared a pending dp reduction
+                tok, lab = spmd_batch(tok, meshes.spmd_dp), spmd_batch(lab, meshes.spmd_dp)
+            loss = cross_entropy(model(tok, positions), lab) / n
+            (spmd_loss(loss, meshes.spmd_dp) if spmd else loss).backward()
+        total += loss_value(loss.detach()).float()
+    return total
+
+
+def clip_grad_norm_(tr: Trainer, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (every axis, PP included); scales grads down to `max_norm` if > 0.
+
+    Gradients still Partial (TP without FSDP) are reduced first.  Each gradient's
+    local sum of squares is summed over the process groups its DTensor is sharded
+    over (replicated dims are not summed, so nothing is counted twice); then over
+    the pp group, whose ranks hold different layers.
+    """
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in tr.params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                # TP without FSDP: grads of replicated weights (norms under SP) are still
+                # Partial over tp; reduce them to the parameter's placement (FSDP does this itself)
+                g = p.grad = g.redistribute(placements=p.placements)
+            # sharded dims (Shard, and _StridedShard, which is not a Shard subclass in torch >= 2.13)
+            key = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements)
+                        if not (pl.is_replicate() or pl.is_partial()))
+            g = g.to_local()
+        else:
+            key = ()
+        by_groups.setdefault(key, []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=tr.device)
+    for groups, grads in by_groups.items():
+        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum()
+        for pg in groups:
+            dist.all_reduce(sq, group=pg)
+        total += sq
+    if tr.cfg.plan.pp > 1:
+        dist.all_reduce(total, group=tr.meshes.pp.get_group())
+    norm = total.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grads in by_groups.values():
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return norm
+
+
+def train_step(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns (global mean loss, global grad norm)."""
+    local_loss = forward_backward(tr, tokens, labels)
+    grad_norm = clip_grad_norm_(tr, tr.cfg.train.grad_clip)
+    tr.optimizer.step()
+    tr.scheduler.step()
+    tr.optimizer.zero_grad(set_to_none=True)
+    return global_mean_loss(tr, local_loss), grad_norm
+
+
+def global_mean_loss(tr: Trainer, local_loss: torch.Tensor) -> torch.Tensor:
+    """Mean over the global batch: sum over all ranks, divided by the ranks that hold a copy of it.
+
+    Every (dp, cp) position holds its share once per tp rank; among pp ranks only
+    the one with the last stage holds a loss (the others contribute 0).
+    """
+    plan = tr.cfg.plan
+    if dist.get_world_size() == 1:
+        return local_loss
+    t = local_loss.detach().clone().float()
+    dist.all_reduce(t)
+    return t / (plan.dp * plan.cp * plan.tp)
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: RunConfig, run_dir: Path) -> dict:
+    tr = setup(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (run_dir / "plan.yaml").write_text(dump_resolved(cfg))
+        print(f"titan-run: {cfg.spec.name} seq_len {cfg.seq_len} global batch {cfg.global_batch} | world {world} "
+              f"on {tr.device.type} | mesh {tr.meshes.describe()} | {cfg.plan.describe()} | "
+              f"{str(tr.precision.param_dtype).replace('torch.', '')} | backend {tr.backend} | run dir {run_dir}",
+              flush=True)
+    hw = hardware_for_device(tr.device, cfg.hardware)
+    peak_flops = None
+    if hw is not None:
+        peak_flops = 1e12 * (hw.peak_tflops_bf16 if tr.precision.param_dtype == torch.bfloat16
+                             else hw.peak_tflops_fp32)
+    fpt = flops_per_token(cfg.spec, cfg.seq_len)
+    writer = MetricsWriter(run_dir, enabled=rank == 0, total_steps=cfg.train.steps,
+                           tensorboard=cfg.train.tensorboard)
+    records = []
+    tr.comm.install()
+    try:
+        fault = os.environ.get("TITAN_RUN_FAULT")      # test hook "rank:step": that rank raises there
+        for step in range(1, cfg.train.steps + 1):
+            if fault == f"{rank}:{step}":
+                raise RuntimeError(f"injected fault (TITAN_RUN_FAULT={fault})")
+            rec = run_one_step(tr, step, fpt, peak_flops)
+            records.append(rec)
+            if rank == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
+                writer.write(rec)
+    finally:
+        tr.comm.uninstall()
+        writer.close()
+    summary = summarize(tr, records, hw)
+    write_rank_file(run_dir, rank, tr, records)
+    if rank == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def run_one_step(tr: Trainer, step: int, fpt, peak_flops) -> dict:
+    cfg, device = tr.cfg, tr.device
+    t0 = time.perf_counter()
+    tokens, labels = tr.batches.next_batch()
+    data_time = time.perf_counter() - t0
+    tr.comm.reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    profiled = device.type == "cpu" and step == cfg.train.profile_step
+    mem = CpuPeakMemory(training_state_bytes(tr.params, tr.optimizer)) if profiled else contextlib.nullcontext()
+    lr = tr.scheduler.get_last_lr()[0]
+    with mem:
+        loss, grad_norm = train_step(tr, tokens, labels)
+        loss_f, gnorm_f = float(loss), float(grad_norm)     # syncs the device
+    step_time = time.perf_counter() - t0
+    comm = tr.comm.snapshot()
+    if device.type == "cuda":       # reserved: what the cost model's peak and OOMs are about
+        peak, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
+    else:
+        peak = allocated = mem.peak_bytes if profiled else None
+    tr.losses.append(loss_f)
+
+    # per-rank figures -> everyone (one small all-gather, outside the timed step)
+    local = torch.tensor([data_time, -1.0 if peak is None else float(peak), -1.0 if allocated is None
+                          else float(allocated)] + [comm.get(a, 0.0) for a in COMM_AXES],
+                         dtype=torch.float64, device=device)
+    world = dist.get_world_size()
+    allv = torch.empty(world * local.numel(), dtype=torch.float64, device=device)
+    all_gather_flat(allv, local)
+    allv = allv.view(world, -1).cpu()
+    peaks = [None if v < 0 else int(v) for v in allv[:, 1].tolist()]
+    allocs = [None if v < 0 else int(v) for v in allv[:, 2].tolist()]
+    comm = allv[:, 3:]
+    comm_mean = {a: float(comm[:, i].mean()) for i, a in enumerate(COMM_AXES) if comm[:, i].max() > 0}
+    comm_max = {a: float(comm[:, i].max()) for i, a in enumerate(COMM_AXES) if comm[:, i].max() > 0}
+    tps = cfg.tokens_per_step / step_time
+    return {
+        "step": step, "loss": loss_f, "grad_norm": gnorm_f, "lr": lr, "step_time_s": step_time,
+        "data_time_s": float(allv[:, 0].max()), "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
+        "mfu": mfu(tps / world, fpt, peak_flops),
+        "peak_memory_bytes": peaks if any(p is not None for p in peaks) else None,
+        "peak_memory_bytes_max": max((p for p in peaks if p is not None), default=None),
+        "peak_allocated_bytes_max": max((p for p in allocs if p is not None), default=None),
+        "comm_s": comm_mean, "comm_s_max": comm_max, "profiled": profiled,
+    }
+
+
+def summarize(tr: Trainer, records: list[dict], hw) -> dict:
+    """Whole-run figures; throughput is the median over steps after the first two (compile, warm-up)."""
+    cfg = tr.cfg
+    steady = [r for r in records[2:] if not r["profiled"]] or [r for r in records if not r["profiled"]] or records
+    med = lambda key: statistics.median(r[key] for r in steady)          # noqa: E731
+    peaks = [r["peak_memory_bytes"] for r in records if r["peak_memory_bytes"]]
+    per_rank_peak = [max((p[i] or 0) for p in peaks) for i in range(len(peaks[0]))] if peaks else None
+    axes = sorted({a for r in steady for a in r["comm_s"]})
+    return {
+        "status": "ok", "model": cfg.spec.name, "plan": cfg.plan.to_dict(), "world_size": dist.get_world_size(),
+        "device": tr.device.type, "backend": tr.backend, "dtype": str(tr.precision.param_dtype).replace("torch.", ""),
+        "hardware": None if hw is None else hw.name, "seq_len": cfg.seq_len, "global_batch": cfg.global_batch,
+        "steps": len(records), "first_loss": records[0]["loss"] if records else None,
+        "final_loss": records[-1]["loss"] if records else None,
+        "step_time_s": med("step_time_s"), "tokens_per_s": med("tokens_per_s"),
+        "tokens_per_s_per_device": med("tokens_per_s_per_device"),
+        "mfu": None if steady[0]["mfu"] is None else med("mfu"),
+        "data_time_s": med("data_time_s"),
+        "peak_memory_bytes_per_rank": per_rank_peak,
+        "peak_memory_bytes": max(per_rank_peak) if per_rank_peak else None,
+        "comm_s_per_step": {a: statistics.median(r["comm_s"].get(a, 0.0) for r in steady) for a in axes},
+        "comm_method": "exposed time in c10d/functional collectives per process group (executor/metrics.py)",
+    }
+
+
+def write_rank_file(run_dir: Path, rank: int, tr: Trainer, records: list[dict]) -> None:
+    d = run_dir / "ranks"
+    d.mkdir(exist_ok=True)
+    (d / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "losses": tr.losses}))
+
+
+def print_error(rank: int, exc: BaseException) -> None:
+    import traceback
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tb.rstrip().splitlines()))
+    sys.stderr.flush()
