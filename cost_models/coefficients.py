@@ -40,8 +40,12 @@ class Coefficients:
     ep_overlap: float = 0.0        # 0 = all-to-alls exposed (DualPipeV overlaps them by design)
     ep_imbalance: float = 1.0      # max/mean tokens per EP rank; 1.0 = perfectly balanced routing
     # -- fixed costs
-    kernel_launch_s: float = 4e-6  # physical: host (CPU) cost per kernel launch, eager PyTorch dispatch;
-    #                                a block's time is max(GPU time, host time)
+    host_overhead_scale: float = 1.0  # multiplies the hardware preset's host (CPU) time per kernel
+    #                                launch, `kernel_launch_us`: a platform figure (CPU + framework)
+    kernel_launch_s: float = 0.0   # > 0: replaces the preset's host time per launch (seconds); 0 = use
+    #   the preset (calibration files written before the figure moved into the presets carry it)
+    launch_overlap_sharpness: float = 4.0  # p of the smooth maximum (gpu^p + host^p)^(1/p) that
+    #   combines GPU and host time of a block (compute.launch_bound; inf = plain maximum)
     kernel_latency_s: float = 3e-6  # physical: GPU-side fixed cost per kernel (launch latency, ramp and
     #                                tail of the wave) added to its work
     step_overhead_s: float = 0.0   # per optimizer step (data loading, logging, ...)
@@ -69,6 +73,8 @@ class Coefficients:
                 raise CoefficientsError(f"coefficient '{f.name}' must be > 0, got {v}")
             if f.name.endswith("_overlap") and v > 1:
                 raise CoefficientsError(f"coefficient '{f.name}' must be in [0, 1], got {v}")
+        if self.launch_overlap_sharpness == 0:
+            raise CoefficientsError("coefficient 'launch_overlap_sharpness' must be > 0 (inf: plain maximum)")
         if self.ep_imbalance < 1:
             raise CoefficientsError(f"coefficient 'ep_imbalance' must be >= 1, got {self.ep_imbalance}")
 

@@ -136,6 +136,9 @@ class HardwareSpec:
     inter_node_latency_us: float = 10.0
     efficiency: Mapping[str, float] = field(default_factory=dict)
     memory_reserved_gib: float = 0.0   # runtime context + allocator slack (not usable)
+    sm_count: int = 0            # streaming multiprocessors (tile/wave quantization of GEMMs); 0 = ignore
+    kernel_launch_us: float = 4.0  # host (CPU) time per kernel the training loop launches, with the
+    #                                framework work around it (Python, autograd, dispatcher, driver)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -146,6 +149,8 @@ class HardwareSpec:
                 raise SpecError(f"hardware '{self.name}': key '{k}' must be > 0")
         if self.gpus_per_node < 1:
             raise SpecError(f"hardware '{self.name}': key 'gpus_per_node' must be >= 1")
+        if self.sm_count < 0 or self.kernel_launch_us < 0:
+            raise SpecError(f"hardware '{self.name}': keys 'sm_count' and 'kernel_launch_us' must be >= 0")
         bad = sorted(set(self.efficiency) - set(EFFICIENCY_KEYS))
         if bad:
             raise SpecError(f"hardware '{self.name}': unknown efficiency key '{bad[0]}' "

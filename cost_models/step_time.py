@@ -7,7 +7,9 @@ The critical path is the busiest pipeline rank (the most layers, the most MoE bl
 and the LM head).  Per micro-batch it runs forward F, input-gradient backward B and
 weight-gradient backward W of its blocks; a step is ``n_microbatches * (F + B + W)``
 plus the pipeline bubble, the exposed data-parallel collectives, the point-to-point
-pipeline transfers and the optimizer.
+pipeline transfers and the optimizer.  Each block (and the LM head) takes the larger, smoothly,
+of its GPU time and the host time of launching its kernels (`compute.launch_bound`): small
+micro-batches of small models are launch-bound.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import numpy as np
 from search_spaces.plan import SCHEDULES
 
 from .comm import all_reduce_time, all_to_all_time, axis_links, group_link, link_params, p2p_time, ring_gather_time
-from .flops import COL, ROW, attention_dims, layer_matmuls
+from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, head_kernels, kernels_per_block,
+                      launch_bound, layer_gemms)
+from .flops import attention_dims, layer_matmuls
 from .memory import layer_mix, layers_per_rank, rank_params
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
@@ -24,118 +28,6 @@ TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "p
 # Flash-attention backward does 2.5x the forward FLOPs (it recomputes QK^T):
 # Dao 2023 (arXiv:2307.08691), Sec. 3.1.2 -- 5 matmuls backward vs 2 forward.
 FLASH_BWD = 2.5
-
-
-class Rates:
-    """Achievable throughputs of one device (FLOP/s, B/s) for a workload and coefficients."""
-
-    def __init__(self, hw, workload, coeffs):
-        e = hw.efficiency
-        fp32 = workload.dtype == "fp32"
-        self.peak = (hw.peak_tflops_fp32 if fp32 else hw.peak_tflops_bf16) * 1e12
-        self.gemm = self.peak * e["gemm"] * coeffs.gemm_efficiency_scale
-        self.fp8 = (hw.peak_tflops_fp8 * 1e12 * e["fp8_gemm"] * coeffs.fp8_gemm_efficiency_scale
-                    if hw.supports_float8 and not fp32 else self.gemm)
-        self.attn = self.peak * e["attention"] * coeffs.attention_efficiency_scale
-        self.mem = hw.memory_bw_gbs * 1e9 * e["memory_bound"] * coeffs.memory_bound_efficiency_scale
-        self.elt = 4.0 if fp32 else 2.0
-
-
-def gemm_time(m, k, n, rate, mem_bw, in_bytes, out_bytes):
-    """Roofline time of one [m,k]x[k,n] matmul (Williams et al. 2009, CACM 52(4)): the larger of
-    its FLOPs at the achievable rate and its operand traffic at the achievable memory bandwidth."""
-    flops = 2.0 * m * k * n
-    traffic = in_bytes * (m * k + k * n) + out_bytes * m * n
-    return np.maximum(flops / rate, traffic / mem_bw)
-
-
-def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes)."""
-    tp = table.tp.astype(np.float64)
-    tokens = table.microbatch * workload.seq_len / table.cp
-    f8 = table.float8
-    fwd = np.zeros(len(table))
-    recomputed = np.zeros(len(table))
-    for i, m in enumerate(layer_matmuls(model, moe)):
-        k = m.k / tp if m.shard == ROW else m.k + 0 * tp
-        n = m.n / tp if m.shard == COL else m.n + 0 * tp
-        low = f8 & (m.name != "router")
-        rate = np.where(low, r.fp8, r.gemm)
-        in_b = np.where(low, 1.0, r.elt)
-        if m.expert:
-            local = model.n_experts / table.ep
-            rows = tokens * model.top_k * coeffs.ep_imbalance / local       # tokens per local expert
-            t = local * gemm_time(rows, k, n, rate, r.mem, in_b, r.elt)
-        else:
-            t = gemm_time(tokens, k, n, rate, r.mem, in_b, r.elt)
-        fwd += t
-        if i % 2:
-            recomputed += t
-    return fwd, recomputed
-
-
-def elementwise_bytes(model, workload, moe: bool, compiled: bool) -> tuple[float, float]:
-    """Memory traffic of the non-matmul ops of one block forward, bytes per token: (seq, shard).
-
-    Eager counts each op's reads and writes: TorchTitan's fp32 RMSNorm (upcast, pow, mean,
-    mul, downcast, weight: ~36 B/element in bf16), complex-fp32 RoPE on Q and K, the
-    residual adds, SiLU and the gate product, the transpose copy of the attention output.
-    Compiled (or hand-fused, as in Megatron) kernels read their inputs and write their
-    outputs once (norm fused with the residual add, fused SwiGLU/RoPE).  Backward moves
-    about twice the forward traffic.
-    """
-    e = 4.0 if workload.dtype == "fp32" else 2.0
-    h = model.dim
-    d_qk, d_k, _ = attention_dims(model)
-    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
-    drop = 3.0 * (2 * e + 1) if workload.dropout else 0.0
-    if moe:
-        width = model.top_k * model.moe_ffn_hidden + model.n_shared_experts * model.moe_ffn_hidden
-        permute = model.top_k * 4 * e * h              # gather to experts and scatter back
-    else:
-        width, permute = model.ffn_hidden, 0.0
-    act = (5 * e if model.mlp == "swiglu" else 2 * e) if not compiled else (3 * e if model.mlp == "swiglu" else 2 * e)
-    if not compiled:
-        norms = 2 * (36.0 if e == 2 else 28.0)
-        seq = (norms + 6 * e + drop) * h
-        shard = (16 + 2 * e) * (d_qk + d_k) + 2 * e * d_o + act * width + permute
-    else:
-        seq = (10 * e + (drop / 3 if drop else 0.0)) * h
-        shard = 2 * e * (d_qk + d_k) + act * width + permute
-    return seq, shard
-
-
-def kernels_per_block(model, workload, moe: bool, compiled: bool) -> float:
-    """Kernels one block launches in forward (backward launches about twice as many).
-
-    Matmuls (one per weight; routed experts as one grouped GEMM per weight), the attention
-    core (1 fused kernel, or QK^T, softmax, [dropout,] PV when materialized), and the
-    pointwise ops: eager TorchTitan-style code issues ~30 (fp32 RMSNorm ~8 each, complex
-    RoPE ~6 per tensor, SwiGLU, residual adds, layout copies), compiled/fused code ~6.
-    An MoE block adds routing (gate softmax/top-k, sort, histogram, gather/scatter: ~12).
-    """
-    mm = layer_matmuls(model, moe)
-    n = len({m.name for m in mm})
-    n += 1 if workload.attention_impl == "fused" else (4 if workload.dropout else 3)
-    n += 6.0 if compiled else 30.0
-    n += 3.0 if workload.dropout else 0.0
-    n += 12.0 if moe else 0.0
-    return float(n)
-
-
-def float8_cast_bytes(model, moe: bool, compiled, e: float):
-    """Extra traffic of tensorwise float8 training per token of one block, forward share (the
-    backward's 2x is applied with the other pointwise traffic): each linear's input is scaled
-    and cast forward (amax read, read, 1-byte write), its output gradient and input again
-    backward (Micikevicius et al. 2022, arXiv:2209.05433, Sec. 4: per-tensor scaling).
-    Compiled code fuses the amax into the producer (one read fewer)."""
-    per = np.where(compiled, e + 1.0, 2 * e + 1.0)
-    width = 0.0
-    for m in layer_matmuls(model, moe):
-        if m.name == "router":
-            continue
-        width += (model.top_k if m.expert else 1.0) * (m.k + m.n + m.k) / 3.0
-    return per * width
 
 
 def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
@@ -184,6 +76,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     # tp_overlap * matmul time), per block and direction.
     tp_one = ring_gather_time(tp, act_bytes, tp_link.bw, tp_link.alpha)
     tp_rec = np.where(ac_full, 4.0, np.where(op_sac, 2.0, 0.0))
+    n_coll = np.where(tp > 1, 4.0 if workload.sequence_parallel else 2.0, 0.0)   # launches per direction
     # CP ring attention (Liu et al. 2023, arXiv:2310.01889): cp-1 steps, each passing the K/V chunk
     # forward and K/V plus dK/dV backward, overlapped with the step's attention compute.
     kv_bytes = tokens * (d_k + d_v) / tp * r.elt
@@ -216,12 +109,14 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         gpu_f = g_f + a_fwd + el_f + kern * lat
         gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
         g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
-        host_f = kern * coeffs.kernel_launch_s
-        host_b = kern * (2.0 + rec_k) * coeffs.kernel_launch_s
-        f = np.maximum(gpu_f, host_f)
-        b = np.maximum(gpu_b + g_w, host_b) - g_w
         tpf = np.maximum(0.0, 4 * tp_one - coeffs.tp_overlap * g_f)
         tpb = np.maximum(0.0, (4 + tp_rec) * tp_one - coeffs.tp_overlap * 2 * g_f)
+        # host side: every kernel and every collective is launched by the CPU; the TP collectives
+        # sit on the compute stream (no overlap), so they count on the GPU side as well
+        host_f = (kern + n_coll) * r.launch
+        host_b = (kern * (2.0 + rec_k) + n_coll * (1.0 + tp_rec / 4)) * r.launch
+        f = launch_bound(gpu_f + tpf, host_f, r.sharpness) - tpf
+        b = launch_bound(gpu_b + g_w + tpb, host_b, r.sharpness) - g_w - tpb
         if moe:   # EP dispatch + combine all-to-alls (Lepikhin et al. 2020, arXiv:2006.16668), each way
             a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
             a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp)
@@ -241,18 +136,26 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         frac = count / np.maximum(nd + nm, 1)
         out["blockF"] += frac * f
         out["blockBW"] += frac * (b + g_w)
-    # LM head + loss on the last stage (always on the critical rank)
-    head_f = gemm_time(tokens, model.dim, model.vocab_size / tp, r.gemm, r.mem, r.elt, r.elt)
+    # LM head + loss on the last stage (always on the critical rank): the head GEMM on this rank's
+    # vocabulary shard (vocab // tp rows), the fp32 cross-entropy traffic, and the host launches of
+    # the embedding, final norm, head and loss kernels (`head_kernels`), forward and backward
+    vshard = np.floor(model.vocab_size / tp)
+    head_f = gemm_time(tokens, model.dim, vshard, r.gemm, r.mem, r.elt, r.elt, r.sms)
     loss = tokens * model.vocab_size / tp * (36 + 2 * r.elt) / r.mem
-    out["F"] += head_f + loss / 3
-    out["B"] += head_f + 2 * loss / 3
-    out["W"] += head_f
-    out["head_F"], out["head_BW"] = head_f + loss / 3, 2 * head_f + 2 * loss / 3
+    gpu_head = 3 * head_f + loss
+    k_head = head_kernels(workload)
+    stretch = launch_bound(gpu_head, 3 * k_head * r.launch, r.sharpness) / np.maximum(gpu_head, 1e-30)
+    out["F"] += stretch * (head_f + loss / 3)
+    out["B"] += stretch * (head_f + 2 * loss / 3)
+    out["W"] += stretch * head_f
+    out["head_F"], out["head_B"], out["head_W"] = stretch * (head_f + loss / 3), stretch * (head_f + 2 * loss / 3), \
+        stretch * head_f
+    out["head_BW"] = out["head_B"] + out["head_W"]
     return out
 
 
 def bubble_microbatches(table, F, B, W) -> np.ndarray:
-    """Pipeline bubble, seconds, from per-micro-batch F/B/W of the busiest rank.
+    """Pipeline bubble, seconds, from per-micro-batch F/B/W of a pipeline stage.
 
     * GPipe, 1F1B: (pp-1)(F+B+W) -- Narayanan et al. 2021 (arXiv:2104.04473) Sec. 2.2.1:
       bubble fraction (p-1)/m of the ideal time;
@@ -369,7 +272,12 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     per_mb = per_mb_compute + st["tp_f"] + st["tp_b"] + st["cp_f"] + st["cp_b"] + st["ep_f"] + st["ep_b"]
     Fc = st["F"] + st["tp_f"] + st["cp_f"] + st["ep_f"]
     Bc = st["B"] + st["tp_b"] + st["cp_b"] + st["ep_b"]
-    bubble = bubble_microbatches(table, Fc, Bc, st["W"])
+    # the warm-up and cool-down run through the other stages, which do not hold the LM head and
+    # loss (Narayanan et al. 2021, Sec. 2.2.1: the bubble is (p-1) forward and backward passes of
+    # a stage); the V schedules put the last stage on rank 0, so there the head stays in
+    v_shape = (table.schedule == SCHEDULES.index("ZBVZeroBubble")) | (table.schedule == SCHEDULES.index("DualPipeV"))
+    body = np.where(v_shape, 0.0, 1.0)
+    bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st)
 

@@ -62,11 +62,16 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
         params = [p for _, m in stages for p in m.parameters()]
         n_local = sum(_local_numel(p) for p in params)
         trainable = sum(_local_numel(p) for p in params if p.requires_grad)
+        # Under a pipeline schedule FSDP skips gradient sync until the last micro-batch
+        # (torch.distributed.pipelining's backward_maybe_with_nosync), so each rank holds its
+        # stage's gradients unsharded (fp32) between micro-batches.
+        unsharded_grads = plan.pp > 1 and plan.n_microbatches > 1
+        fsdp_ways = plan.dp_shard * plan.cp
         out: dict[str, Any] = {
             "rank": rank, "stages": [i for i, _ in stages],
             "param_numel": n_local,
             "params_bytes": 4 * n_local,              # fp32 master parameters
-            "grads_bytes": 4 * trainable,             # fp32 gradients (FSDP reduce dtype)
+            "grads_bytes": 4 * trainable * (fsdp_ways if unsharded_grads else 1),   # fp32 gradients
             "optimizer_bytes": 8 * trainable,         # AdamW exp_avg + exp_avg_sq, fp32
         }
         out["state_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]

@@ -12,7 +12,9 @@ from cost_models.estimate import GIB, Estimates, estimate
 from cost_models.flops import attention_flops_per_token, flops_per_token, param_counts
 from cost_models.memory import MEMORY_KEYS, in_flight_microbatches, per_layer_activation_bytes
 from cost_models.specs import SpecError, Workload, load_hardware, load_model, model_from_dict
-from cost_models.step_time import TIME_KEYS
+from cost_models.comm import axis_links
+from cost_models.compute import Rates, gemm_time, launch_bound
+from cost_models.step_time import TIME_KEYS, stage_times
 from search_spaces import CandidateTable, Plan, Target, enumerate_plans, load_space
 
 
@@ -155,16 +157,86 @@ def test_in_flight_microbatches_by_schedule():
 
 # --------------------------------------------------------------------------- step time
 def test_pipeline_bubble_fractions():
+    """1F1B / interleaved bubbles are (p-1)/m (/v) of the busy time of a stage WITHOUT the LM head:
+    warm-up and cool-down run through the stages that do not hold it (Narayanan et al. Sec. 2.2)."""
     wl = Workload(seq_len=8192, global_batch=32)
+    m, hw, co = load_model("llama3-70b"), load_hardware("h100-sxm"), Coefficients()
     for plan, frac in ((Plan(dp_shard=4, tp=8, pp=4, n_microbatches=8), 3 / 8),
                        (Plan(dp_shard=4, tp=8, pp=4, n_microbatches=8, schedule="Interleaved1F1B",
                              stages_per_rank=2), 3 / 16)):
         e = est1(plan, wl=wl)
         busy = e.time["compute"] + e.time["tp_comm"] + e.time["cp_comm"] + e.time["ep_comm"]
-        assert e.time["pp_bubble"][0] / busy[0] == pytest.approx(frac, rel=1e-9)
+        t = table(plan)
+        st = stage_times(t, m, hw, wl, co, axis_links(t, hw, co), Rates(hw, wl, co))
+        head = plan.n_microbatches * (st["head_F"] + st["head_B"] + st["head_W"])
+        assert head[0] > 0
+        assert e.time["pp_bubble"][0] / (busy[0] - head[0]) == pytest.approx(frac, rel=1e-9)
+        assert e.time["pp_bubble"][0] < frac * busy[0]
     zb = est1(Plan(dp_shard=4, tp=8, pp=4, n_microbatches=8, schedule="ZBVZeroBubble", stages_per_rank=2), wl=wl)
     one = est1(Plan(dp_shard=4, tp=8, pp=4, n_microbatches=8), wl=wl)
     assert zb.time["pp_bubble"][0] < 0.5 * one.time["pp_bubble"][0]
+
+
+def test_gemm_roofline_tiles_waves_and_alignment():
+    hw = load_hardware("a100-80g")
+    r = Rates(hw, Workload(seq_len=1024, global_batch=8), Coefficients())
+    assert r.sms == 108 and r.gemm == pytest.approx(312e12 * 0.86)
+    ideal = lambda m, k, n: 2.0 * m * k * n / r.gemm  # noqa: E731
+    # 27 x 16 tiles of 256x128 = 4 full waves on 108 SMs: no loss
+    assert gemm_time(6912, 4096, 2048, r.gemm, r.mem, 2, 2, r.sms) == pytest.approx(ideal(6912, 4096, 2048))
+    # a 128x128 output is 4 tiles of 64x64 (half rate: half the reuse) for 108 SMs: split-K cuts the
+    # k loop 16 ways (slices of 256), one wave, plus writing and summing 15 fp32 partials
+    # (NVIDIA GEMM guide, Sec. 2.3, 3.2; CUTLASS split-K)
+    expect = 2 * 64 * 64 * 256 / (r.gemm / 108 * 0.5) + 15 * 128 * 128 * 8 / r.mem
+    assert gemm_time(128, 4096, 128, r.gemm, r.mem, 2, 2, r.sms) == pytest.approx(expect)
+    assert expect > 5 * ideal(128, 4096, 128)
+    # a row more than 4 full waves of 256x128 tiles: the best is 55 x 4 = 220 tiles of 128x128 in
+    # 3 waves (1.5x the full-wave time); no quantization without an SM count
+    t108 = gemm_time(256 * 27, 4096, 512, r.gemm, r.mem, 2, 2, r.sms)
+    assert t108 == pytest.approx(ideal(256 * 27, 4096, 512))
+    t109 = gemm_time(256 * 27 + 1, 4096, 512, r.gemm, r.mem, 2, 2, r.sms)
+    assert t109 == pytest.approx(3 * 2.0 * 128 * 128 * 4096 / (r.gemm / 108))
+    assert gemm_time(256 * 27 + 1, 4096, 512, r.gemm, r.mem, 2, 2, 0) == pytest.approx(ideal(256 * 27 + 1, 4096, 512))
+    # an odd leading dimension (GPT-2's unpadded 50257) halves the tensor-core rate; 50304 does not
+    t_odd = gemm_time(8192, 2048, 50257, r.gemm, r.mem, 2, 2, 0)
+    t_pad = gemm_time(8192, 2048, 50304, r.gemm, r.mem, 2, 2, 0)
+    assert t_odd / t_pad == pytest.approx(2 * 50257 / 50304)
+    assert gemm_time(8192, 2048, 25128, r.gemm, r.mem, 2, 2, 0) == pytest.approx(ideal(8192, 2048, 25128))
+    # tiny matmuls are bound by their operand traffic (roofline)
+    assert gemm_time(8, 8192, 8192, r.gemm, r.mem, 2, 2, r.sms) == pytest.approx(2 * (8 * 8192 * 2 + 8192 * 8192) / r.mem,
+                                                                                rel=1e-3)
+    # grouped: 16 experts in one kernel share the waves
+    one = gemm_time(256, 2048, 768, r.gemm, r.mem, 2, 2, r.sms)
+    grouped = gemm_time(256, 2048, 768, r.gemm, r.mem, 2, 2, r.sms, groups=16)
+    assert grouped < 16 * one and grouped >= 16 * ideal(256, 2048, 768)
+
+
+def test_launch_bound_smooth_max():
+    g, h = np.array([1.0, 3.0, 3.0]), np.array([3.0, 1.0, 3.0])
+    np.testing.assert_allclose(launch_bound(g, h, float("inf")), [3.0, 3.0, 3.0])
+    f = launch_bound(g, h, 4.0)
+    assert np.all(f >= 3.0) and f[2] == pytest.approx(3.0 * 2 ** 0.25)
+    assert launch_bound(100.0, 1.0, 4.0) == pytest.approx(100.0, rel=1e-6)
+
+
+def test_small_microbatches_are_launch_bound_on_the_a100_preset():
+    """vTrain's regime: a GPT layer's time per micro-batch has a host floor (~76 launches of
+    Megatron's eager stack per layer, forward + recompute + backward), so micro-batch 1 and 2
+    cost about the same per micro-batch while large micro-batches are GPU-bound."""
+    m = model_from_dict({"name": "gpt", "dim": 1024, "n_layers": 24, "n_heads": 16, "ffn_hidden": 4096,
+                         "vocab_size": 50257, "mlp": "gelu", "norm": "layernorm"})
+    hw = load_hardware("a100-80g")
+    assert hw.kernel_launch_us == 40.0 and load_hardware("h100-sxm").kernel_launch_us == 4.0
+    wl = Workload(seq_len=1024, global_batch=64, state_layout="megatron", zero=0, attention_impl="materialized",
+                  dropout=True, sequence_parallel=False, selective_ac="attention")
+    per_mb = {}
+    for mb in (1, 2, 8):
+        e = estimate(table(Plan(dp_shard=1, microbatch=mb, n_microbatches=64 // mb, ac="full", compile=True)),
+                     m, hw, wl)
+        per_mb[mb] = e.step_time_s[0] / (64 // mb)
+    assert per_mb[2] / per_mb[1] < 1.2                    # launch-bound: micro-batch 2 almost free
+    assert per_mb[8] / per_mb[2] > 2.0                    # GPU-bound: time grows with the work
+    assert 24 * 76 * 40e-6 < per_mb[1] < 2.0 * 24 * 76 * 40e-6
 
 
 def test_compile_and_float8_speed_up():
@@ -228,6 +300,16 @@ def test_estimate_is_fast_on_a_large_space():
 
 
 # --------------------------------------------------------------------------- coefficients and specs
+def test_host_time_per_launch_comes_from_the_preset_unless_overridden():
+    wl = Workload(seq_len=1024, global_batch=8)
+    hw = load_hardware("a100-80g")
+    assert Rates(hw, wl, Coefficients()).launch == pytest.approx(40e-6)
+    assert Rates(hw, wl, Coefficients(host_overhead_scale=0.5)).launch == pytest.approx(20e-6)
+    assert Rates(hw, wl, Coefficients(kernel_launch_s=4e-6)).launch == pytest.approx(4e-6)   # old calibration files
+    with pytest.raises(CoefficientsError, match="launch_overlap_sharpness"):
+        Coefficients(launch_overlap_sharpness=0)
+
+
 def test_coefficients_yaml_round_trip(tmp_path):
     c = Coefficients(gemm_efficiency_scale=0.9, tp_overlap=0.5, memory_overhead_bytes=1e9)
     path = tmp_path / "cal.yaml"

@@ -1,9 +1,12 @@
 """The cost model against published runs and vTrain's measurements (bench/validate_*.py).
 
 Targets: median absolute percentage error <= 10% on throughput and on memory over the
-published rows the model can express; vTrain: Spearman rho >= 0.8 in every model group
-(cross-validated calibration) and the predicted-best layout within 10% of the measured
-best in most workloads.  Skipped when the reference data are not there.
+published rows the model can express; vTrain, with the DEFAULT coefficients and presets (what
+the planner uses): Spearman rho >= 0.8 in every model group, the predicted-best layout within
+10% of the measured best in >= 80% of the workloads (model, GPUs, global batch) and, per model
+group over all its rows, the predicted-best time per sample within 10% of the best in every
+group; the cross-validated calibration keeps rho >= 0.8 too.  Skipped when the reference data
+are not there.
 """
 from __future__ import annotations
 
@@ -66,7 +69,24 @@ def test_korthikanti_memory_rows_within_10_percent(published):
 
 
 @needs_vtrain
-def test_vtrain_ranking():
+def test_vtrain_ranking_with_the_defaults():
+    rows = vt.load_rows(REF)
+    groups = vt.evaluate(rows, vt.predict_ms(rows))
+    assert len(groups) == 8
+    for key, g in groups.items():
+        assert g["rho"] >= vt.RHO_TARGET, (key, g)
+        assert g["group_pick_ok"], (key, g)
+        assert g["ape_median"] <= 15.0, (key, g)
+    ok = sum(g["picks_ok"] for g in groups.values())
+    tot = sum(g["workloads"] for g in groups.values())
+    assert ok / tot >= 0.8, (ok, tot)
+    for key, g in groups.items():          # the narrower model (launch-bound) is ranked right everywhere
+        if key[0] == 1024:
+            assert g["picks_ok"] == g["workloads"], (key, g)
+
+
+@needs_vtrain
+def test_vtrain_ranking_calibrated_cross_validated():
     rows = vt.load_rows(REF)
     pred, fitted = vt.cross_validated_predictions(rows)
     groups = vt.evaluate(rows, pred)
@@ -76,6 +96,3 @@ def test_vtrain_ranking():
     ok = sum(g["picks_ok"] for g in groups.values())
     tot = sum(g["workloads"] for g in groups.values())
     assert ok / tot >= 2 / 3, (ok, tot)
-    # the defaults alone still rank the groups positively
-    default = vt.evaluate(rows, vt.predict_ms(rows))
-    assert min(g["rho"] for g in default.values()) >= 0.7
