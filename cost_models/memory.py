@@ -257,8 +257,18 @@ def rank_params(table, model) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- the breakdown
-def memory_breakdown(table, model, workload, coeffs) -> dict[str, np.ndarray]:
+def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool = True) -> dict[str, np.ndarray]:
+    """Per-rank bytes by category for the worst pipeline rank.
+
+    `caching_allocator`: GPU runs go through PyTorch's caching allocator, whose
+    fragmentation (``coeffs.allocator_fragmentation``) adds to the peak; CPU
+    tensors are freed to the system allocator at once, so CPU plans have none.
+    """
     n = len(table)
+    frag = coeffs.allocator_fragmentation if caching_allocator else 0.0
+    # the executor applies FSDP when some rank shares the data-parallel work, or on one rank for
+    # bf16 mixed precision (executor/parallel/__init__.py: uses_fsdp)
+    fsdp_applied = ((table.dp_replicate * table.dp_shard * table.cp) > 1) | (workload.dtype != "fp32")
     e = 4.0 if workload.dtype == "fp32" else 2.0
     rp = rank_params(table, model)
     fsdp_group = (table.dp_shard * table.cp).astype(np.float64)
@@ -283,7 +293,11 @@ def memory_breakdown(table, model, workload, coeffs) -> dict[str, np.ndarray]:
             optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)
             rs = unit * (e + 4.0)                                  # unsharded grad + fp32 reduce buffer
             gathered = np.where(accumulate_unsharded | ~table.reshard_after_forward, e * local, 2.0 * e * unit)
-            fsdp = gathered + rs
+            # The reduce-scatter buffers of a block exist in backward while that block's saved
+            # activations are being freed, so only their excess over one layer's activations
+            # raises the peak (which sits at the forward/backward turn).
+            rs_exposed = np.maximum(0.0, rs - dense_act)
+            fsdp = np.where(fsdp_applied, gathered + rs_exposed, 0.0)
         else:                                                      # Megatron: bf16 params, fp32 main grads
             dp = (table.dp_replicate * table.dp_shard * table.cp).astype(np.float64)
             edp = dp / table.ep
@@ -298,7 +312,7 @@ def memory_breakdown(table, model, workload, coeffs) -> dict[str, np.ndarray]:
         per_mb = nd * dense_act + nm * moe_act
         acts = (infl * per_mb + working_set) * coeffs.activation_memory_scale
         logits = np.where(rp[f"{which}_has_head"], logits_one, 0.0)
-        overhead = coeffs.memory_overhead_bytes + coeffs.allocator_fragmentation * (acts + logits + fsdp)
+        overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp)
         results[which] = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, logits=logits,
                               fsdp_buffers=fsdp, overhead=overhead + np.zeros(n))
     tot = {w: sum(results[w].values()) for w in results}
