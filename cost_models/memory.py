@@ -292,7 +292,12 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
             grads = np.where(accumulate_unsharded, 4.0 * local, 4.0 * shard_p)
             optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)
             rs = unit * (e + 4.0)                                  # unsharded grad + fp32 reduce buffer
-            gathered = np.where(accumulate_unsharded | ~table.reshard_after_forward, e * local, 2.0 * e * unit)
+            # parameters stay gathered for the whole step when FSDP does not reshard after forward, when
+            # pipelining defers gradient sync, and under the V schedules, where the executor turns
+            # resharding off (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; pipeline.py)
+            v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
+            keep = accumulate_unsharded | ~table.reshard_after_forward | v_sched
+            gathered = np.where(keep, e * local, 2.0 * e * unit)
             # The reduce-scatter buffers of a block exist in backward while that block's saved
             # activations are being freed, so only their excess over one layer's activations
             # raises the peak (which sits at the forward/backward turn).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import Plan, min_microbatches
+from .plan import Plan, interleaved_rounds_ok, min_microbatches
 
 # reason names, in the order the enumerator applies them
 R_TP_SHAPE = "tp does not divide heads, kv heads or FFN width"
@@ -20,7 +20,7 @@ R_PP_LAYERS = "more pipeline stages than layers"
 R_SEQ = "seq_len not divisible by 2*cp*tp (cp>1) or tp"
 R_EP = "ep does not divide experts and dp_shard*cp"
 R_BATCH = "global batch not divisible by dp*microbatch"
-R_MICRO = "too few micro-batches for the pipeline schedule"
+R_MICRO = "micro-batch count does not suit the pipeline schedule"
 R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
 R_MEMORY = "out of memory"
@@ -82,6 +82,8 @@ def check_plan(plan: Plan, t: Target, *, tp_within_node: bool = True) -> list[tu
                              f" = {plan.global_batch()} sequences, global batch is {t.global_batch}"))
     if plan.pp > 1 and plan.n_microbatches < min_microbatches(plan.schedule, plan.pp):
         out.append((R_MICRO, f"n_microbatches={plan.n_microbatches} < {min_microbatches(plan.schedule, plan.pp)}"))
+    if plan.pp > 1 and plan.schedule == "Interleaved1F1B" and not interleaved_rounds_ok(plan.n_microbatches, plan.pp):
+        out.append((R_MICRO, f"n_microbatches={plan.n_microbatches} is not a multiple of its Interleaved1F1B rounds"))
     if plan.float8 and not t.float8_supported:
         out.append((R_FLOAT8, "float8 requested on hardware without float8 GEMMs"))
     return out

@@ -134,7 +134,10 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
         d["sched"], d["v"] = sc[j], vv[j]
         ok_l = d["pp"] * d["v"] <= t.n_layers
         reject(~ok_l, C.R_PP_LAYERS, "layout x micro-batch x schedule choices")
-        ok_m = d["nmb"] >= d["pp"]
+        dual = d["sched"] == SCHEDULES.index("DualPipeV")
+        inter = d["sched"] == SCHEDULES.index("Interleaved1F1B")
+        rounds = np.maximum(1, d["nmb"] // d["pp"])
+        ok_m = (d["nmb"] >= np.where(dual, 2 * d["pp"], d["pp"])) & (~inter | (d["nmb"] % rounds == 0))
         reject(ok_l & ~ok_m, C.R_MICRO, "layout x micro-batch x schedule choices")
         keep = ok_l & ok_m
         parts.append({k: v[keep] for k, v in d.items()})

@@ -103,6 +103,11 @@ class Plan:
                 f"plan key 'n_microbatches' ({self.n_microbatches}) is too small for schedule "
                 f"{self.schedule} with pp={self.pp}: needs at least "
                 f"{min_microbatches(self.schedule, self.pp)}")
+        if self.pp > 1 and self.schedule == "Interleaved1F1B" and not interleaved_rounds_ok(self.n_microbatches,
+                                                                                           self.pp):
+            raise PlanError(
+                f"plan key 'n_microbatches' ({self.n_microbatches}) must be a multiple of "
+                f"max(1, n_microbatches // pp) = {max(1, self.n_microbatches // self.pp)} for Interleaved1F1B")
 
     def check_world(self, world_size: int) -> None:
         if self.world_size != world_size:
@@ -136,12 +141,18 @@ class Plan:
 def min_microbatches(schedule: str, pp: int) -> int:
     """Fewest micro-batches a schedule accepts with `pp` pipeline ranks.
 
-    torch.distributed.pipelining requires, for the multi-stage schedules, that
-    the micro-batch count is at least the number of pipeline ranks (it raises
-    for Interleaved1F1B otherwise); single-stage schedules run with any count
-    but keep a bubble; we require >= pp for all so every stage has work.
+    torch.distributed.pipelining (2.11, 2.14): 1F1B needs >= pp; DualPipeV
+    needs >= its 2*pp stages; GPipe, Interleaved1F1B and ZBVZeroBubble would
+    run fewer but leave stages idle, so we require >= pp for them too.
     """
-    return pp if pp > 1 else 1
+    if pp <= 1:
+        return 1
+    return 2 * pp if schedule == "DualPipeV" else pp
+
+
+def interleaved_rounds_ok(n_microbatches: int, pp: int) -> bool:
+    """torch's Interleaved1F1B runs the micro-batches in rounds of max(1, n // pp): n must divide evenly."""
+    return n_microbatches % max(1, n_microbatches // pp) == 0
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

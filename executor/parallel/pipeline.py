@@ -1,0 +1,386 @@
+"""Pipeline parallel: split the model into stages, run a torch.distributed.pipelining schedule.
+
+Applied first (DESIGN.md order: **PP split**, TP/SP, CP, EP, AC, compile,
+FSDP).  :func:`pipeline_split` cuts the (meta) model into stage modules;
+the caller parallelizes and materializes each one; :func:`build_schedule`
+wraps them in ``PipelineStage`` objects and a schedule and returns a
+:class:`PipelineRunner`.
+
+Stages and placement (``n_stages = pp * stages_per_rank``):
+
+* layers are split as evenly as possible (sizes differ by at most one; the
+  earlier stages take the extra layers, so the last stage, which also holds
+  the norm and the LM head, is never the biggest);
+* stage ``s`` keeps ``layers[k]`` for its layer ids (original keys, so
+  parameter FQNs are unchanged), ``tok_embeddings`` only if ``s == 0``,
+  ``norm``/``output`` only if ``s == n_stages-1`` (others set to ``None``);
+* placement on pipeline rank ``r``: ``[r]`` for GPipe/1F1B, loop
+  ``[r, r+pp, ...]`` for Interleaved1F1B, V ``[r, 2pp-1-r]`` for
+  ZBVZeroBubble/DualPipeV (what the torch schedules expect).
+
+Positions: every stage's forward needs this rank's sequence positions (RoPE;
+non-contiguous under CP, and not recoverable from a sequence-sharded hidden
+state under TP+SP).  The schedule only passes activations between stages,
+so :func:`build_schedule` registers a forward pre-hook on each stage module
+that adds ``positions=`` from the runner.  The stage module itself (possibly
+an FSDP module) is what ``PipelineStage`` wraps, so parameter FQNs stay
+unchanged and the schedule's FSDP handling (``isinstance(submod,
+FSDPModule)``: no gradient sync / resharding between micro-batches, one
+reduce-scatter after the last one) applies; this handling lives in the
+schedule and stage in torch 2.11 and 2.14 alike.
+
+Loss and gradients: ``loss_fn(logits, labels)`` is a mean over one
+micro-batch; the schedule (``scale_grads=True``) divides the accumulated
+gradients by ``n_microbatches``, so they equal the gradient of the mean loss
+over the local batch, like a single-process step over it.  The caller must
+zero gradients between steps (scaling applies to everything accumulated).
+Under tensor parallel with ``loss_parallel`` the backward of the loss runs
+inside ``runner.step``: pass ``step_context=loss_parallel`` (or wrap the call).
+
+Hidden states crossing stages are whatever the stage returns: plain tensors,
+including the sequence-sharded local tensors that TP+SP leaves after
+``RowwiseParallel(output_layouts=Shard(1))``; shapes are inferred by
+``PipelineStage`` from the first micro-batch (torch 2.14 runs one real
+forward/backward for it; 2.11 runs a forward on zeros), so the batch shape
+must stay fixed across steps.
+
+Fixes applied by :func:`build_schedule` (each found by a parity test; see the
+helpers' docstrings):
+
+* ZBVZeroBubble / DualPipeV with FSDP: ``reshard_after_forward`` is switched
+  off on the stage's FSDP modules (else missing or silently wrong gradients);
+* ... and with compiled blocks as well: the weight gradients are computed in
+  the input-backward step (``dw_builder``), since the deferred weight pass was
+  silently wrong; torch's functorch ``donated_buffer`` is turned off for these
+  schedules (retain_graph in the split backward);
+* gloo: warm-up sends from a rank to itself are dropped (torch 2.11 V
+  schedules hung on CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from search_spaces.plan import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Plan
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- split
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer ranges per stage; sizes differ by at most 1 (earlier stages larger)."""
+    if n_stages > n_layers:
+        raise ValueError(f"pipeline needs at least one layer per stage: pp*stages_per_rank = {n_stages} "
+                         f"stages but the model has {n_layers} layers (plan keys 'pp', 'stages_per_rank')")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_ids_for_rank(plan: Plan, pp_rank: int) -> list[int]:
+    """Stage indices held by pipeline rank ``pp_rank`` (ascending)."""
+    pp = plan.pp
+    if plan.schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    if plan.schedule in MULTI_STAGE_SCHEDULES:
+        return [pp_rank + k * pp for k in range(plan.stages_per_rank)]
+    return [pp_rank]
+
+
+def _build_stage(model: nn.Module, layer_keys: list[str], keep: set[str], first: bool,
+                 last: bool) -> nn.Module:
+    # deepcopy with a memo that maps unneeded submodules to None: they are never copied
+    memo: dict[int, object] = {}
+    for key in layer_keys:
+        if key not in keep:
+            memo[id(model.layers[key])] = None
+    if not first and model.tok_embeddings is not None:
+        memo[id(model.tok_embeddings)] = None
+    if not last:
+        for name in ("norm", "output"):
+            if getattr(model, name, None) is not None:
+                memo[id(getattr(model, name))] = None
+    stage = copy.deepcopy(model, memo)
+    for key in layer_keys:
+        if key not in keep:
+            del stage.layers[key]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def microbatch_error(plan: Plan) -> str | None:
+    """Why torch's schedule would reject the plan's micro-batch count, or None.
+
+    Rules of torch.distributed.pipelining (2.11 and 2.14): 1F1B needs
+    n_microbatches >= pp; Interleaved1F1B needs n_microbatches to be a
+    multiple of its rounds, max(1, n_microbatches // pp); DualPipeV needs
+    n_microbatches >= 2*pp stages.  GPipe and ZBVZeroBubble take any count.
+    """
+    n, pp = plan.n_microbatches, plan.pp
+    if plan.schedule == "1F1B" and n < pp:
+        return f"schedule 1F1B needs n_microbatches >= pp ({pp}), got {n}"
+    if plan.schedule == "Interleaved1F1B":
+        rounds = max(1, n // pp)
+        if n % rounds:
+            return (f"schedule Interleaved1F1B needs n_microbatches to be a multiple of max(1, "
+                    f"n_microbatches // pp) = {rounds}, got {n}")
+    if plan.schedule == "DualPipeV" and n < plan.n_stages:
+        return f"schedule DualPipeV needs n_microbatches >= pp*stages_per_rank ({plan.n_stages}), got {n}"
+    return None
+
+
+def _check_plan(plan: Plan) -> None:
+    err = microbatch_error(plan)
+    if err:
+        raise ValueError(f"plan key 'n_microbatches': {err}")
+
+
+def pipeline_split(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh) -> list[tuple[int, nn.Module]]:
+    """[(stage_idx, stage_module)] for this pipeline rank; the model is not modified."""
+    _check_plan(plan)
+    if pp_mesh.size() != plan.pp:
+        raise ValueError(f"pipeline_split: pp mesh has {pp_mesh.size()} ranks but plan key 'pp' is {plan.pp}")
+    return split_for_rank(model, plan, pp_mesh.get_local_rank())
+
+
+def split_for_rank(model: nn.Module, plan: Plan, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """:func:`pipeline_split` for an explicit pipeline rank (no mesh needed)."""
+    layer_keys = list(model.layers.keys())
+    ranges = split_layers(len(layer_keys), plan.n_stages)
+    out = []
+    for s in stage_ids_for_rank(plan, pp_rank):
+        keep = {layer_keys[i] for i in ranges[s]}
+        out.append((s, _build_stage(model, layer_keys, keep, s == 0, s == plan.n_stages - 1)))
+    return out
+
+
+# --------------------------------------------------------------------------- schedule
+def schedule_class(name: str):
+    """The torch schedule class for a plan's schedule name, or a ValueError naming the torch version."""
+    try:
+        from torch.distributed.pipelining.schedules import get_schedule_class
+    except ImportError as e:  # pragma: no cover
+        raise ValueError(f"plan key 'schedule' ({name}): torch {torch.__version__} has no "
+                         f"torch.distributed.pipelining.schedules ({e})") from None
+    try:
+        return get_schedule_class(name)
+    except ValueError:
+        raise ValueError(f"plan key 'schedule': {name} is not available in torch {torch.__version__} "
+                         "(torch.distributed.pipelining.schedules.get_schedule_class does not know it)") from None
+
+
+class _Positions:
+    """Holds the positions of the current step; a forward pre-hook adds them to each stage call."""
+
+    def __init__(self):
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, module, args, kwargs):
+        if self.value is None:      # called outside PipelineRunner.step: leave the call as it is
+            return None
+        kwargs = dict(kwargs)
+        kwargs["positions"] = self.value
+        return args, kwargs
+
+
+class PipelineRunner:
+    """Runs one optimizer step's worth of micro-batches through the schedule on this rank."""
+
+    def __init__(self, schedule, stages, stage_modules, plan: Plan, positions: _Positions,
+                 step_context: Callable[[], contextlib.AbstractContextManager] | None = None):
+        self.schedule = schedule
+        self.stages = stages                    # PipelineStage objects
+        self.stage_modules = stage_modules      # [(stage_idx, module)]
+        self.plan = plan
+        self._positions = positions
+        self._step_context = step_context
+        ids = [s for s, _ in stage_modules]
+        self.has_first = 0 in ids
+        self.has_last = plan.n_stages - 1 in ids
+        params = inspect.signature(schedule.step).parameters
+        self._step_kwargs = {"return_outputs": False} if "return_outputs" in params else {}
+
+    def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
+             positions: torch.Tensor) -> torch.Tensor | None:
+        """Forward+backward of the local batch (microbatch*n_microbatches sequences).
+
+        ``tokens`` are used if this rank holds stage 0 and ``labels`` if it holds
+        the last stage (others may pass them or None).  Returns the mean loss over
+        the micro-batches (detached) on the rank holding the last stage, else None.
+        """
+        n_mb = self.plan.n_microbatches
+        if self.has_first:
+            if tokens is None:
+                raise ValueError("PipelineRunner.step: this rank holds stage 0 and needs tokens")
+            if tokens.shape[0] % n_mb:
+                raise ValueError(f"PipelineRunner.step: local batch {tokens.shape[0]} is not divisible by "
+                                 f"plan key 'n_microbatches' ({n_mb})")
+        if self.has_last and labels is None:
+            raise ValueError("PipelineRunner.step: this rank holds the last stage and needs labels")
+        if positions is None:
+            raise ValueError("PipelineRunner.step: positions are required")
+        self._positions.value = positions
+        args = (tokens,) if self.has_first else ()
+        ctx = self._step_context() if self._step_context is not None else contextlib.nullcontext()
+        try:
+            with ctx:
+                if self.has_last:
+                    losses: list[torch.Tensor] = []
+                    self.schedule.step(*args, target=labels, losses=losses, **self._step_kwargs)
+                else:
+                    self.schedule.step(*args, **self._step_kwargs)
+        finally:
+            self._positions.value = None
+        if not self.has_last:
+            return None
+        vals = []
+        for loss in losses:
+            loss = loss.detach()
+            if hasattr(loss, "full_tensor"):   # DTensor loss (loss_parallel)
+                loss = loss.full_tensor()
+            vals.append(loss.float())
+        return torch.stack(vals).mean()
+
+
+# Schedules whose backward is split into an input pass (I) and a deferred weight pass (W).
+SPLIT_BACKWARD_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def _keep_fsdp_params_unsharded(stages: list[tuple[int, nn.Module]], schedule: str) -> None:
+    """Split-backward schedules need FSDP's reshard_after_forward=False.
+
+    ``stage_backward_input`` looks up the weights' autograd nodes through
+    ``submod.parameters()`` *before* running the input backward; with
+    reshard_after_forward=True those are the sharded parameters, not the
+    unsharded ones the graph used, so the W pass finds no weights: on torch
+    2.14 ZBVZeroBubble left blocks without gradients and DualPipeV produced
+    silently wrong gradients (PP2 x FSDP2, tests/distributed/_pp_cp_worker.py
+    --case mix).  With the parameters kept unsharded from the first forward
+    to the last backward, both are exact.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    changed = False
+    for _, module in stages:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.set_reshard_after_forward(False, recurse=False)
+                changed = True
+    if changed:
+        log.info("schedule %s: FSDP reshard_after_forward set to False on the pipeline stages "
+                 "(required by the split input/weight backward)", schedule)
+
+
+def _uses_fsdp(stages) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(m, FSDPModule) for _, mod in stages for m in mod.modules())
+
+
+def _uses_compile(stages) -> bool:
+    """Any submodule compiled with ``Module.compile()`` or wrapped by ``torch.compile``."""
+    for _, mod in stages:
+        for m in mod.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule":
+                return True
+    return False
+
+
+def _no_deferred_weight_grad():
+    return lambda: None
+
+
+def _allow_retained_compiled_backward() -> None:
+    """Split-backward schedules run the input backward with retain_graph=True.
+
+    A compiled region's backward with donated buffers refuses that
+    (``RuntimeError: This backward function was compiled with non-empty donated
+    buffers which requires create_graph=False and retain_graph=False``, seen
+    with ZBVZeroBubble x FSDP x per-block compile), so donated buffers are
+    turned off, process-wide, before anything is compiled (TorchTitan does the
+    same).  Compilation is lazy (first forward), so this is early enough.
+    """
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:  # pragma: no cover
+        return
+    if getattr(functorch_config, "donated_buffer", False):
+        functorch_config.donated_buffer = False
+
+
+def _stage_class():
+    """PipelineStage, minus warm-up sends to the rank itself on gloo.
+
+    torch 2.11's V schedules post a warm-up isend/irecv between every pair of
+    neighbouring stages, including stages 1 -> 2 that sit on the same rank;
+    gloo has no self pair, so the first step hung (then ``Pair is not
+    connected``) on CPU.  The warm-up only opens connections, and same-rank
+    activations are handed over locally, so those ops are dropped (gloo only;
+    NCCL keeps torch's behaviour).
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self):
+            ops = super()._get_init_p2p_neighbors_ops()
+            me = dist.get_rank()
+            return [op for op in ops
+                    if not (op.peer == me and dist.get_backend(op.group) == "gloo")]
+
+    return _Stage
+
+
+def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: DeviceMesh, loss_fn,
+                   device, step_context: Callable[[], contextlib.AbstractContextManager] | None = None
+                   ) -> PipelineRunner:
+    """PipelineStage per (already parallelized, materialized) stage module + the plan's schedule."""
+    _check_plan(plan)
+    PipelineStage = _stage_class()
+    cls = schedule_class(plan.schedule)
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+        _keep_fsdp_params_unsharded(stages, plan.schedule)
+        _allow_retained_compiled_backward()
+    device = torch.device(device)
+    group = pp_mesh.get_group()
+    positions = _Positions()
+    stage_kwargs = {}
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and _uses_fsdp(stages) and (plan.compile or _uses_compile(stages)):
+        # Split input/weight backward through FSDP-wrapped compiled blocks gave wrong weight
+        # gradients (feed_forward.w1 ~0, ffn_norm off by ~25%; torch 2.14, ZBVZeroBubble,
+        # PP2 x FSDP2, per-block compile).  With a dw_builder, the stage runs the full backward
+        # in the I step and the W step runs the (empty) builder: exact, same schedule order,
+        # weight-gradient work no longer fills the bubble.
+        log.warning("schedule %s with FSDP and compile: running the full backward in the I step "
+                    "(zero-bubble weight deferral disabled for correctness)", plan.schedule)
+        stage_kwargs["dw_builder"] = _no_deferred_weight_grad
+    pstages = []
+    for idx, module in stages:
+        module.register_forward_pre_hook(positions, with_kwargs=True)
+        pstages.append(PipelineStage(module, idx, plan.n_stages, device, group=group, **stage_kwargs))
+    if plan.schedule in MULTI_STAGE_SCHEDULES:
+        schedule = cls(pstages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    else:
+        if len(pstages) != 1:
+            raise ValueError(f"schedule {plan.schedule} runs one stage per rank, got {len(pstages)}")
+        schedule = cls(pstages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return PipelineRunner(schedule, pstages, stages, plan, positions, step_context)
