@@ -3,6 +3,8 @@
     titan-run                                   # llama3-debug, seq 256, on the local devices
     titan-run --plan plan.yaml --nproc-per-node 8 --steps 100 --set train.lr=1e-3
     titan-run --self-test --nproc-per-node 8    # one collective per mesh axis, shard shapes
+    titan-run --plan plan.yaml --run-dir runs/a --resume latest --max-restarts 3   # checkpoints, elastic
+    titan-run export --checkpoint runs/a/checkpoints/step-000100 --out model.safetensors
     torchrun --nproc-per-node 8 -m executor.cli --plan plan.yaml   # started by a launcher
 
 Exit codes: 0 success, 2 bad input (one line on stderr, before any process
@@ -40,7 +42,24 @@ def parse_args(argv):
     p.add_argument("--dry-run", action="store_true",
                    help="apply the plan for --world N ranks in one process on the meta device (fake process "
                         "group) and report each rank's exact state bytes; see 'titan-run --dry-run --help'")
+    g = p.add_argument_group("checkpoints and elastic restarts (executor/checkpoint.py, executor/elastic.py)")
+    g.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
+                   help="resume from a checkpoint folder, a folder of them (newest complete one), or 'latest' "
+                        "(newest complete one under the run dir's checkpoints; the default value)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts after a failure; restarted workers resume from the latest checkpoint")
+    g.add_argument("--nnodes", help="torchrun --nnodes N or MIN:MAX (elastic); with MIN:MAX a smaller world "
+                                    "re-plans (see --fallback-plan)")
+    g.add_argument("--rdzv-backend", help="torchrun --rdzv-backend (default c10d when --rdzv-endpoint is given)")
+    g.add_argument("--rdzv-endpoint", help="torchrun --rdzv-endpoint host:port (multi-node)")
+    g.add_argument("--rdzv-id", help="torchrun --rdzv-id (a job id shared by the nodes)")
+    g.add_argument("--fallback-plan", help="plan YAML to use when an elastic restart leaves a world the plan "
+                                           "does not fit (default: keep tp/pp/cp/ep, the rest in dp_shard)")
     args = p.parse_args(argv)
+    if args.resume:
+        args.set = list(args.set) + [f"train.resume={args.resume}"]
+    if args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
     if args.nproc is not None and args.nproc < 1:
         p.error("--nproc-per-node must be >= 1")
     if args.steps is not None and args.steps < 1:
@@ -74,6 +93,9 @@ def load_config(args, world_size: int):
     if args.self_test:
         from .self_test import self_test_config
         return self_test_config(args.plan, args.set, world_size)
+    if args.nnodes or args.fallback_plan:      # elastic: the world may not be the plan's (executor/elastic.py)
+        from .elastic import load_elastic_config
+        return load_elastic_config(args, world_size)
     return load_run_config(args.plan, args.set, world_size=world_size, steps=args.steps)
 
 
@@ -84,18 +106,23 @@ def launcher_main(args, argv: list[str]) -> int:
     nproc = args.nproc or (n_gpu if n_gpu else cpu_default_nproc(args))
     if n_gpu and nproc > n_gpu:
         return fail(f"--nproc-per-node {nproc} is more than the {n_gpu} GPUs of this node")
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     try:
-        load_config(args, nproc)
+        from .elastic import launcher_world
+        cfg = load_config(args, launcher_world(args, nproc))
+        if not args.self_test and cfg.train.resume:   # a missing / foreign checkpoint is bad input (exit 2)
+            from .checkpoint import check_resume
+            check_resume(cfg, run_dir)
     except (ConfigError, ValueError) as e:
         return fail(str(e))
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     run_dir = run_dir.resolve()
     child_args = strip_option(argv, "--run-dir") + ["--run-dir", str(run_dir)]
     child_args = strip_option(child_args, "--nproc-per-node", "--nproc_per_node")
-    if nproc == 1:
+    if nproc == 1 and not (args.max_restarts or args.nnodes or args.rdzv_endpoint):
         single_process_env()
         return worker_main(parse_args(child_args))
-    rc = run_torchrun(nproc, child_args)
+    rc = run_torchrun(nproc, child_args, max_restarts=args.max_restarts, nnodes=args.nnodes,
+                      rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
     if rc != 0 and not args.self_test:
         write_failure_summary(run_dir, rc)
     return rc
@@ -200,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--dry-run" in argv:   # one process, fake process group of the target world: see executor/dry_run.py
         from .dry_run import main as dry_run_main
         return dry_run_main([a for a in argv if a != "--dry-run"])
+    if argv and argv[0] in ("export", "import"):   # safetensors export/import: see executor/export.py
+        from .export import main as export_main
+        return export_main(argv)
     args = parse_args(argv)
     if is_worker():
         return worker_main(args)

@@ -69,15 +69,22 @@ class TrainConfig:
     log_every: int = 1
     profile_step: int = 2           # CPU: step whose peak memory is measured with the profiler; 0 = never
     tensorboard: bool = True
+    expert_bias_gamma: float = 1e-3  # MoE aux-loss-free balancing: bias step per optimizer step (load_balance_bias)
     pg_timeout_s: int = 300         # collective timeout: a stuck rank fails instead of hanging
+    checkpoint_every: int = 0       # save a checkpoint every K steps and at the end; 0 = no checkpoints
+    keep_checkpoints: int = 3       # complete checkpoints kept (oldest removed); 0 = keep all
+    checkpoint_dir: str = ""        # default <run_dir>/checkpoints
+    async_checkpoint: bool = False  # dcp.async_save: write in the background while training continues
+    resume: str = ""                # "" | "latest" | a checkpoint folder | a folder of them (titan-run --resume)
 
     def __post_init__(self) -> None:
         for k, lowest in (("steps", 1), ("log_every", 1), ("max_corpus_bytes", 1), ("pg_timeout_s", 1),
-                          ("warmup", 0), ("seed", 0), ("profile_step", 0)):
+                          ("warmup", 0), ("seed", 0), ("profile_step", 0), ("checkpoint_every", 0),
+                          ("keep_checkpoints", 0)):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
                 raise ConfigError(f"train key '{k}' must be an integer >= {lowest}, got {v!r}")
-        for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "expert_bias_gamma"):
             v = getattr(self, k)
             if isinstance(v, str):          # YAML 1.1 reads 1e-3 (no dot) as a string
                 try:
@@ -91,11 +98,12 @@ class TrainConfig:
                            ("optimizer_impl", ("auto", "fused", "foreach", "for-loop"))):
             if getattr(self, k) not in allowed:
                 raise ConfigError(f"train key '{k}' must be one of {', '.join(allowed)}; got {getattr(self, k)!r}")
-        for k in ("data", "tokenizer"):
+        for k in ("data", "tokenizer", "checkpoint_dir", "resume"):
             if not isinstance(getattr(self, k), str):
                 raise ConfigError(f"train key '{k}' must be a string, got {getattr(self, k)!r}")
-        if not isinstance(self.tensorboard, bool):
-            raise ConfigError(f"train key 'tensorboard' must be true or false, got {self.tensorboard!r}")
+        for k in ("tensorboard", "async_checkpoint"):
+            if not isinstance(getattr(self, k), bool):
+                raise ConfigError(f"train key '{k}' must be true or false, got {getattr(self, k)!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
@@ -293,8 +301,12 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         plan.check_world(world_size)
     except PlanError as e:
         raise ConfigError(str(e)) from None
-    if spec.is_moe:
-        raise ConfigError(f"model '{spec.name}' is a mixture-of-experts model; titan-run trains dense models only")
+    if plan.ep > 1 and not spec.is_moe:
+        raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
+                          "expert parallelism needs a mixture-of-experts model (set ep: 1)")
+    if plan.ep > 1 and spec.n_experts % plan.ep:
+        raise ConfigError(f"plan key 'ep' ({plan.ep}) must divide the number of experts of model "
+                          f"'{spec.name}' ({spec.n_experts})")
     if spec.attention != "gqa":
         raise ConfigError(f"model '{spec.name}': attention '{spec.attention}' is not supported (only gqa)")
     target = Target.of(spec, world_size=world_size, seq_len=cfg.seq_len, global_batch=cfg.global_batch,

@@ -54,9 +54,24 @@ def child_env() -> dict:
     return env
 
 
-def run_torchrun(nproc: int, cli_args: list[str]) -> int:
-    """Run `executor.cli` with `cli_args` in `nproc` local worker processes; return the exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnodes: str | None = None,
+                 rdzv_backend: str | None = None, rdzv_endpoint: str | None = None, rdzv_id: str | None = None
+                 ) -> int:
+    """Run `executor.cli` with `cli_args` in `nproc` local worker processes; return the exit code.
+
+    ``max_restarts``/``nnodes``/``rdzv_*`` go to torchrun as given (elastic training: after a failure
+    torchrun restarts every worker, which resume from the latest checkpoint); without an endpoint
+    the job is ``--standalone`` (one node, local rendezvous).
+    """
+    rdzv = ["--standalone"]
+    if rdzv_endpoint:
+        rdzv = [f"--rdzv-backend={rdzv_backend or 'c10d'}", f"--rdzv-endpoint={rdzv_endpoint}"]
+        if rdzv_id:
+            rdzv.append(f"--rdzv-id={rdzv_id}")
+    elastic = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    if nnodes:
+        elastic.append(f"--nnodes={nnodes}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, *elastic, f"--nproc-per-node={nproc}",
            "-m", "executor.cli", *cli_args]
     proc = subprocess.Popen(cmd, env=child_env())
     try:

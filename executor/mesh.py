@@ -11,6 +11,15 @@ Flattened views (kept as returned by ``_flatten``, never re-sliced by name):
 * ``dp_cp``       = dp_replicate x dp_shard x cp: loss / grad-norm reductions
 * ``fsdp``        = ``dp_shard_cp`` (1-D), or the 2-D (dp_replicate, dp_shard_cp)
                     mesh for HSDP when dp_replicate > 1
+
+Expert parallelism (no axis of its own: carved out of dp_shard x cp, see
+`search_spaces.plan`): ``dp_shard_cp`` is unflattened into
+``(efsdp, ep)`` with efsdp = dp_shard*cp/ep outer, ep inner (``_unflatten``):
+
+* ``ep``          = the expert-parallel group (all-to-all dispatch/combine)
+* ``efsdp``       = the ranks that FSDP-shard the same experts
+* ``expert_fsdp`` = ``efsdp`` (1-D), or the 2-D (dp_replicate, efsdp) mesh
+                    (HSDP) when dp_replicate > 1
 """
 from __future__ import annotations
 
@@ -46,8 +55,26 @@ def init_distributed(timeout_s: int = 300) -> torch.device:
         backend = "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if dev_type == "cuda" else {}
+        kwargs.update(_restart_store(timeout_s))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return device
+
+
+def _restart_store(timeout_s: int) -> dict:
+    """After a torchrun restart: the agent's store with a per-attempt key prefix.
+
+    The elastic agent can hand restarted workers the same TCPStore as the failed
+    attempt; gloo then may read a dead peer's address left under the same key and
+    wait forever in ``connectFullMesh`` (seen: 1 of 2 restarts hung on CPU).
+    A prefix per attempt makes every key fresh (executor/checkpoint.py, elastic restarts).
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return {"store": dist.PrefixStore(f"titan/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 @dataclass
@@ -64,6 +91,9 @@ class Meshes:
     dp_cp: DeviceMesh
     fsdp: DeviceMesh
     spmd_dp: DeviceMesh | None      # the data-parallel axes of size > 1 (spmd_types FSDP storage mesh)
+    ep: DeviceMesh | None = None           # expert parallel (None when plan.ep == 1)
+    efsdp: DeviceMesh | None = None        # FSDP ranks of one expert shard (1-D)
+    expert_fsdp: DeviceMesh | None = None  # the mesh experts are fully_shard-ed on (2-D with HSDP)
 
     def axis(self, name: str) -> DeviceMesh:
         return getattr(self, name)
@@ -77,6 +107,12 @@ class Meshes:
         for name, mesh in named:       # a group shared by several axes takes the first (innermost-named) one
             if mesh.size() > 1:
                 out.setdefault(mesh.get_group().group_name, name)
+        if self.ep is not None:       # ep/efsdp groups may equal dp_shard_cp's (then named that)
+            for name in ("ep", "efsdp"):
+                mesh = getattr(self, name)
+                if mesh.size() > 1:
+                    out.setdefault(mesh.get_group().group_name, name)
+                named.append((name, mesh))
         for name, mesh in named:       # one-rank groups: collectives there move no data
             out.setdefault(mesh.get_group().group_name, "self")
         if dist.get_world_size() > 1:
@@ -84,7 +120,10 @@ class Meshes:
         return out
 
     def describe(self) -> str:
-        return " x ".join(f"{a}{self.axis(a).size()}" for a in AXES)
+        out = " x ".join(f"{a}{self.axis(a).size()}" for a in AXES)
+        if self.ep is not None:
+            out += f" (ep{self.ep.size()} x efsdp{self.efsdp.size()} within dp_shard*cp)"
+        return out
 
 
 def build_meshes(plan: Plan, dev_type: str) -> Meshes:
@@ -99,9 +138,31 @@ def build_meshes(plan: Plan, dev_type: str) -> Meshes:
         fsdp = dp_shard_cp
     dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if getattr(plan, a) > 1)
     spmd_dp = world[dp_axes] if dp_axes else None
+    ep = efsdp = expert_fsdp = None
+    if plan.ep > 1:
+        ep, efsdp, expert_fsdp = _expert_meshes(dp_shard_cp, dp_cp, plan)
     return Meshes(plan=plan, world=world, pp=world["pp"], dp_replicate=world["dp_replicate"],
                   dp_shard=world["dp_shard"], cp=world["cp"], tp=world["tp"], dp=dp,
-                  dp_shard_cp=dp_shard_cp, dp_cp=dp_cp, fsdp=fsdp, spmd_dp=spmd_dp)
+                  dp_shard_cp=dp_shard_cp, dp_cp=dp_cp, fsdp=fsdp, spmd_dp=spmd_dp,
+                  ep=ep, efsdp=efsdp, expert_fsdp=expert_fsdp)
+
+
+def _expert_meshes(dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
+                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """(ep, efsdp, expert_fsdp): dp_shard_cp unflattened into (efsdp, ep); with HSDP the experts'
+    FSDP mesh is (dp_replicate, efsdp), from dp_cp unflattened into (dp_replicate, efsdp, ep)."""
+    if not hasattr(dp_shard_cp, "_unflatten"):
+        raise ValueError(f"plan key 'ep' > 1 needs DeviceMesh._unflatten, which torch {torch.__version__} "
+                         "does not have (use torch >= 2.9)")
+    n = plan.dp_shard * plan.cp
+    assert n % plan.ep == 0, (n, plan.ep)
+    inner = dp_shard_cp._unflatten(0, (n // plan.ep, plan.ep), ("efsdp", "ep"))
+    ep, efsdp = inner["ep"], inner["efsdp"]
+    expert_fsdp = efsdp
+    if plan.dp_replicate > 1:
+        full = dp_cp._unflatten(0, (plan.dp_replicate, n // plan.ep, plan.ep), ("dp_replicate", "efsdp", "ep"))
+        expert_fsdp = full["dp_replicate", "efsdp"]
+    return ep, efsdp, expert_fsdp
 
 
 def _hsdp_mesh(world: DeviceMesh, dp_cp: DeviceMesh, plan: Plan) -> DeviceMesh:

@@ -351,6 +351,9 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, rec["step"])
             for axis, v in (rec.get("comm_s") or {}).items():
                 self._tb.add_scalar(f"comm_s/{axis}", v, rec["step"])
+            for k, v in (rec.get("moe") or {}).items():      # MoE routing / all-to-all figures
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"moe/{k}", v, rec["step"])
         print(progress_line(rec, self.total), flush=True)
 
     def close(self) -> None:
@@ -372,4 +375,13 @@ def progress_line(rec: dict, total: int) -> str:
             f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s ({rec['tokens_per_s_per_device']:,.0f}/dev)  "
             f"mfu {mfu_s}  step {1000 * rec['step_time_s']:.0f}ms  data {1000 * rec['data_time_s']:.0f}ms  "
             f"mem {_fmt_bytes(rec.get('peak_memory_bytes_max'))}"
-            + (f"  comm ms[{comm_s}]" if comm_s else ""))
+            + (f"  comm ms[{comm_s}]" if comm_s else "") + _moe_part(rec.get("moe")))
+
+
+def _moe_part(moe: dict | None) -> str:
+    if not moe:
+        return ""
+    out = f"  moe imb {moe['router_imbalance']:.2f}"
+    if moe.get("all_to_all_bytes"):
+        out += f" a2a {1000 * moe['all_to_all_s']:.0f}ms {_fmt_bytes(moe['all_to_all_bytes'])}"
+    return out

@@ -1,10 +1,11 @@
 """`titan-run --self-test`: check the mesh and the sharding before a long run.
 
-For every mesh axis (pp, dp_replicate, dp_shard, cp, tp) and every flattened
-view (dp, dp_shard_cp, dp_cp): the axis's process group has the ranks the
+For every mesh axis (pp, dp_replicate, dp_shard, cp, tp), every flattened
+view (dp, dp_shard_cp, dp_cp) and, when plan.ep > 1, the expert-parallel
+groups carved out of dp_shard x cp (ep, efsdp): the axis's process group has the ranks the
 mesh says, and an ``all_reduce`` and an ``all_gather`` of each rank's global
 rank give the expected values.  Then the model is built on the meta device and
-parallelized as the plan says (pipeline split, TP, FSDP): every parameter's
+parallelized as the plan says (pipeline split, TP, EP, FSDP): every parameter's
 local shard shape must equal the one computed by hand from the plan.  A
 verdict per axis is printed by rank 0; the exit code is non-zero on failure.
 
@@ -67,11 +68,38 @@ def check_axis(name: str, mesh) -> tuple[bool, str]:
                 f"all_gather {'ok' if ok_gather else 'WRONG'}")
 
 
-def expected_local_shape(fqn: str, shape: torch.Size, plan, meshes, shard_embedding: bool) -> tuple[int, ...]:
-    """The local shard shape of parameter `fqn` of full `shape` under TP then FSDP (torch.chunk semantics)."""
+def check_ep_all_to_all(mesh) -> tuple[bool, str]:
+    """An uneven all_to_all_single on the ep group: rank i sends i+j+1 copies of its rank to peer j."""
+    group = mesh.get_group()
+    ranks = dist.get_process_group_ranks(group)
+    me, i = dist.get_rank(), mesh.get_local_rank()
+    n = len(ranks)
+    in_splits = [i + j + 1 for j in range(n)]
+    out_splits = [j + i + 1 for j in range(n)]
+    send = torch.full((sum(in_splits),), float(me), device=mesh.device_type)
+    recv = torch.empty(sum(out_splits), device=mesh.device_type)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    want = torch.cat([torch.full((out_splits[j],), float(r)) for j, r in enumerate(ranks)])
+    ok = torch.equal(recv.cpu(), want)
+    return ok, f"size {n} uneven splits {in_splits}: all_to_all {'ok' if ok else 'WRONG'}"
+
+
+def expected_local_shape(fqn: str, shape: torch.Size, plan, meshes, shard_embedding: bool,
+                         moe_prefixes: tuple[str, ...] = ()) -> tuple[int, ...]:
+    """The local shard shape of parameter `fqn` of full `shape` under TP, EP then FSDP (torch.chunk semantics).
+
+    MoE layers (`moe_prefixes`) are not TP-sharded; their routed experts (``experts.w1/w2/w3``,
+    [E, ...]) are split E/ep over ep, then FSDP-sharded over efsdp (the rest of dp_shard x cp).
+    """
     s = list(shape)
     tp_rank = meshes.tp.get_local_rank()
-    if plan.tp > 1:
+    if fqn.startswith(moe_prefixes):
+        if plan.ep > 1 and fqn.endswith(("experts.w1", "experts.w2", "experts.w3")) and ".shared_" not in fqn:
+            s[0] = s[0] // plan.ep
+            if meshes.efsdp.size() > 1:
+                s[0] = _chunk_len(s[0], meshes.efsdp.size(), meshes.efsdp.get_local_rank())
+            return tuple(s)
+    elif plan.tp > 1:
         col = fqn.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight"))
         row = fqn.endswith(("wo.weight", "w2.weight"))
         if fqn.startswith("tok_embeddings") and shard_embedding:
@@ -91,12 +119,15 @@ def check_shards(cfg, meshes) -> tuple[bool, str]:
     from .init import clean_fqn
     from .models.llama import Transformer
     from .parallel import Precision, tp_shards_embedding, uses_fsdp
+    from .parallel.expert_parallel import apply_ep
     from .parallel.fsdp import apply_fsdp
     from .parallel.tensor_parallel import apply_tp
     plan = cfg.plan
     with torch.device("meta"):
         model = Transformer(cfg.spec)
     full = {n: p.shape for n, p in model.named_parameters()}
+    moe_prefixes = tuple(f"layers.{k}.feed_forward." for k, b in model.layers.items()
+                         if getattr(b, "moe_enabled", False))
     stages = [(0, model)]
     notes = []
     if plan.pp > 1:
@@ -108,14 +139,17 @@ def check_shards(cfg, meshes) -> tuple[bool, str]:
     for _, module in stages:
         if plan.tp > 1:
             apply_tp(module, meshes.tp, shard_embedding=tp_shards_embedding(plan))
+        if plan.ep > 1:
+            apply_ep(module, meshes.ep)
         if uses_fsdp(plan, precision):
             apply_fsdp(module, meshes.fsdp, param_dtype=torch.float32, reduce_dtype=torch.float32,
-                       reshard_after_forward=True)
+                       reshard_after_forward=True, expert_mesh=meshes.expert_fsdp if plan.ep > 1 else None,
+                       expert_divide_factor=plan.dp_replicate * plan.dp_shard * plan.cp)
         layers_here += list(module.layers.keys())
         for name, p in module.named_parameters():
             fqn = clean_fqn(name)
             local = tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
-            want = expected_local_shape(fqn, full[fqn], plan, meshes, tp_shards_embedding(plan))
+            want = expected_local_shape(fqn, full[fqn], plan, meshes, tp_shards_embedding(plan), moe_prefixes)
             n += 1
             if local != want:
                 bad.append(f"{fqn}: {local} != {want}")
@@ -139,9 +173,12 @@ def run_self_test(cfg) -> bool:
     meshes = build_meshes(plan, dev_type)
     rank = dist.get_rank()
     results = []
-    for name in AXES + FLAT_AXES:
+    for name in AXES + FLAT_AXES + (("ep", "efsdp") if plan.ep > 1 else ()):
         ok, msg = check_axis(name, meshes.axis(name))
         results.append((name, ok, msg))
+    if plan.ep > 1:
+        ok, msg = check_ep_all_to_all(meshes.ep)
+        results.append(("ep all2all", ok, msg))
     try:
         ok, msg = check_shards(cfg, meshes)
     except Exception as e:   # noqa: BLE001 - a sharding that cannot be built is a failed check

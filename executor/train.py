@@ -3,12 +3,13 @@
 :func:`train` does, in order:
 
 1. process group, device, mesh (``executor.mesh``)
-2. model on the meta device -> pipeline split -> parallelize (TP/SP, CP, AC,
-   compile, FSDP) -> ``to_empty`` -> layout-independent init
+2. model on the meta device -> pipeline split -> parallelize (TP/SP, CP, EP,
+   AC, compile, FSDP) -> ``to_empty`` -> layout-independent init
 3. AdamW + linear warmup / cosine LR
 4. data: packed sequences, sharded by dp rank
 5. the loop: batch -> forward/backward (gradient accumulation, or the
-   pipeline schedule) -> global grad-norm clip -> optimizer step -> metrics
+   pipeline schedule) -> global grad-norm clip -> optimizer step -> MoE routing figures /
+   expert-bias update (``moe_step.py``) -> metrics
 
 The loss of a step is the mean over every token of the global batch, so a
 run of any layout matches a single-process run of the same model, data and
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .checkpoint import Checkpointer, maybe_kill
 from .config import RunConfig, dump_resolved
 from .data import PackedBatches, build_batches
 from .init import init_weights
@@ -39,11 +41,13 @@ from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
 from .metrics import (CommTimer, CpuPeakMemory, MetricsWriter, all_gather_flat, flops_per_token,
                       hardware_for_device, mfu, training_state_bytes)
 from .models.llama import Transformer
+from .moe_step import (aux_loss_term, collect_step_stats, moe_layers, moe_params, sum_moe_grads_over_tp,
+                       update_expert_bias)
 from .parallel import Precision, parallelize, resolve_backend
 from .parallel.fsdp import spmd_batch, spmd_loss, spmd_typecheck
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
 
-COMM_AXES = AXES + FLAT_AXES + ("world", "self", "other")
+COMM_AXES = AXES + FLAT_AXES + ("ep", "efsdp", "world", "self", "other")
 
 
 @dataclass
@@ -61,6 +65,10 @@ class Trainer:
     backend: str
     comm: CommTimer
     losses: list[float] = field(default_factory=list)
+    moe: list = field(default_factory=list)              # [(layer id, MoEFeedForward)] held here
+    moe_tp_params: list = field(default_factory=list)    # MoE params whose grads are summed over tp
+    moe_aux_sum: float = 0.0                             # this step's aux-loss term (local)
+    moe_stats: dict | None = None                        # figures of the last step (moe_step.py)
 
 
 # --------------------------------------------------------------------------- setup
@@ -153,9 +161,13 @@ def setup(cfg: RunConfig) -> Trainer:
     # 4. data: this rank's share of each global batch
     batches = build_batches(cfg, dp_rank=meshes.dp.get_local_rank(), dp_size=meshes.dp.size())
     comm = CommTimer(meshes.group_names())
+    moe = moe_layers(stages)
+    if moe and cfg.plan.pp > 1 and cfg.spec.aux_loss_coef > 0 and dist.get_rank() == 0:
+        print("titan-run: warning: MoE auxiliary loss is skipped under pipeline parallel (the schedule owns "
+              "the loss); routing is still dropless", file=sys.stderr, flush=True)
     return Trainer(cfg=cfg, device=device, meshes=meshes, precision=precision, stages=stages, params=params,
                    optimizer=optimizer, scheduler=scheduler, batches=batches, runner=runner, backend=backend,
-                   comm=comm)
+                   comm=comm, moe=moe, moe_tp_params=moe_params(stages) if cfg.plan.tp > 1 else [])
 
 
 # --------------------------------------------------------------------------- one step
@@ -184,7 +196,13 @@ def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) ->
             if spmd:      # spmd_types backend: typed batch, loss declared a pending dp reduction
                 tok, lab = spmd_batch(tok, meshes.spmd_dp), spmd_batch(lab, meshes.spmd_dp)
             loss = cross_entropy(model(tok, positions), lab) / n
-            (spmd_loss(loss, meshes.spmd_dp) if spmd else loss).backward()
+            aux = aux_loss_term(tr.moe, tr.cfg.spec)      # MoE load balancing (moe_step.py); None if off
+            if aux is not None:
+                aux = aux / (n * plan.tp)
+                tr.moe_aux_sum += float(aux.detach()) * plan.tp
+                torch.autograd.backward([loss, aux])
+            else:
+                (spmd_loss(loss, meshes.spmd_dp) if spmd else loss).backward()
         total += loss_value(loss.detach()).float()
     return total
 
@@ -233,10 +251,17 @@ def clip_grad_norm_(tr: Trainer, max_norm: float) -> torch.Tensor:
 def train_step(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns (global mean loss, global grad norm)."""
     local_loss = forward_backward(tr, tokens, labels)
+    if tr.moe_tp_params:      # MoE layers ran on each tp rank's own tokens: sum their grads over tp
+        sum_moe_grads_over_tp(tr.moe_tp_params, tr.meshes.tp)
     grad_norm = clip_grad_norm_(tr, tr.cfg.train.grad_clip)
     tr.optimizer.step()
     tr.scheduler.step()
     tr.optimizer.zero_grad(set_to_none=True)
+    if tr.cfg.spec.is_moe:    # routed-token counts (all ranks), expert-bias update
+        tr.moe_stats = collect_step_stats(tr.moe, tr.cfg.spec, tr.device, tr.cfg.plan.ep, tr.moe_aux_sum)
+        tr.moe_aux_sum = 0.0
+        if tr.cfg.spec.load_balance_bias:
+            update_expert_bias(tr.moe, tr.moe_stats["_counts"], tr.cfg.train.expert_bias_gamma)
     return global_mean_loss(tr, local_loss), grad_norm
 
 
@@ -274,19 +299,28 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
     writer = MetricsWriter(run_dir, enabled=rank == 0, total_steps=cfg.train.steps,
                            tensorboard=cfg.train.tensorboard)
     records = []
+    ckpt = Checkpointer(tr, run_dir)        # executor/checkpoint.py: saves, resume, elastic restarts
+    start = ckpt.resume()                    # 0, or the step of the loaded checkpoint
+    if start >= cfg.train.steps:
+        raise ValueError(f"the checkpoint is at step {start}, train.steps is {cfg.train.steps}: nothing to train "
+                         "(raise --steps)")
     tr.comm.install()
     try:
         fault = os.environ.get("TITAN_RUN_FAULT")      # test hook "rank:step": that rank raises there
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(start + 1, cfg.train.steps + 1):
             if fault == f"{rank}:{step}":
                 raise RuntimeError(f"injected fault (TITAN_RUN_FAULT={fault})")
+            maybe_kill(rank, step, run_dir)             # test hook TITAN_RUN_KILL="rank:step": SIGKILL
             rec = run_one_step(tr, step, fpt, peak_flops)
             records.append(rec)
             if rank == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
                 writer.write(rec)
+            ckpt.after_step(step)
+        ckpt.finish(cfg.train.steps)
     finally:
         tr.comm.uninstall()
         writer.close()
+        ckpt.close()
     summary = summarize(tr, records, hw)
     write_rank_file(run_dir, rank, tr, records)
     if rank == 0:
@@ -330,7 +364,11 @@ def run_one_step(tr: Trainer, step: int, fpt, peak_flops) -> dict:
     comm_mean = {a: float(comm[:, i].mean()) for i, a in enumerate(COMM_AXES) if comm[:, i].max() > 0}
     comm_max = {a: float(comm[:, i].max()) for i, a in enumerate(COMM_AXES) if comm[:, i].max() > 0}
     tps = cfg.tokens_per_step / step_time
+    moe = {}
+    if tr.moe_stats is not None:     # MoE routing and all-to-all figures of this step (moe_step.py)
+        moe = {"moe": {k: v for k, v in tr.moe_stats.items() if not k.startswith("_")}}
     return {
+        **moe,
         "step": step, "loss": loss_f, "grad_norm": gnorm_f, "lr": lr, "step_time_s": step_time,
         "data_time_s": float(allv[:, 0].max()), "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
         "mfu": mfu(tps / world, fpt, peak_flops),
@@ -363,13 +401,35 @@ def summarize(tr: Trainer, records: list[dict], hw) -> dict:
         "peak_memory_bytes": max(per_rank_peak) if per_rank_peak else None,
         "comm_s_per_step": {a: statistics.median(r["comm_s"].get(a, 0.0) for r in steady) for a in axes},
         "comm_method": "exposed time in c10d/functional collectives per process group (executor/metrics.py)",
+        **summarize_moe(steady),
     }
+
+
+def summarize_moe(steady: list[dict]) -> dict:
+    """Medians over the steady steps of the MoE figures, plus the routed tokens of all steps summed."""
+    recs = [r["moe"] for r in steady if r.get("moe")]
+    if not recs:
+        return {}
+    med = lambda key: None if recs[0][key] is None else statistics.median(m[key] for m in recs)  # noqa: E731
+    total = {lid: [sum(m["tokens_per_expert"][lid][e] for m in recs) for e in range(len(c))]
+             for lid, c in recs[0]["tokens_per_expert"].items()}
+    return {"moe": {
+        "router_imbalance": med("router_imbalance"), "router_imbalance_mean": med("router_imbalance_mean"),
+        "ep_rank_imbalance": med("ep_rank_imbalance"),
+        "all_to_all_s_per_step": med("all_to_all_s"), "all_to_all_bytes_per_step": med("all_to_all_bytes"),
+        "all_to_all_bytes_per_step_max": med("all_to_all_bytes_max"), "aux_loss_term": med("aux_loss_term"),
+        "tokens_per_expert_steady_steps": total,
+        "method": "tokens routed per expert summed over all ranks; imbalance = max/mean tokens per expert "
+                  "(worst MoE layer), per EP rank; all-to-all seconds = forward dispatch+combine, max over "
+                  "ranks; bytes = sent per rank in dispatch+combine, forward and backward (mean over ranks "
+                  "holding MoE layers)"}}
 
 
 def write_rank_file(run_dir: Path, rank: int, tr: Trainer, records: list[dict]) -> None:
     d = run_dir / "ranks"
     d.mkdir(exist_ok=True)
-    (d / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "losses": tr.losses}))
+    first = records[0]["step"] if records else None
+    (d / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "losses": tr.losses, "first_step": first}))
 
 
 def print_error(rank: int, exc: BaseException) -> None:

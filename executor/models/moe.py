@@ -40,6 +40,9 @@ class Router(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(spec.n_experts), requires_grad=False) if self.use_bias else None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        # summed over the forwards since the training loop last reset it (None); forwards
+        # recomputed by activation checkpointing inside backward are not counted twice
+        self.step_tokens_per_expert: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [tokens, dim] -> (weights [tokens, k], expert ids [tokens, k])."""
@@ -53,11 +56,19 @@ class Router(nn.Module):
         w = w * self.route_scale
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
         self.tokens_per_expert = counts.detach()
+        if not in_backward():
+            prev = self.step_tokens_per_expert
+            self.step_tokens_per_expert = self.tokens_per_expert if prev is None else prev + self.tokens_per_expert
         # Switch-Transformer load-balancing loss: E * sum_i f_i * P_i
         f = counts.to(scores.dtype) / idx.numel()
         p = (scores / scores.sum(-1, keepdim=True)).mean(0)
         self.aux_loss = self.n_experts * (f.detach() * p).sum()
         return w.to(x.dtype), idx
+
+
+def in_backward() -> bool:
+    """True inside autograd's backward (an activation-checkpointing recompute of the forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _grouped_mm_available(x: torch.Tensor) -> bool:
@@ -82,8 +93,10 @@ class GroupedExperts(nn.Module):
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    w3: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert on its contiguous run of `x` (runs given by `counts`)."""
-    if x.shape[0] == 0:  # keep the weights in the graph so every rank's backward matches
-        return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+    if x.shape[0] == 0:  # keep the weights *and x* in the graph so every rank's backward matches
+        # (under expert parallel x comes from an all-to-all: if no gradient path led back to it,
+        # a rank that received no tokens would skip that all-to-all's backward and its peers hang)
+        return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum() + x.sum())
     if _grouped_mm_available(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)

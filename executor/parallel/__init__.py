@@ -3,11 +3,17 @@
 :func:`parallelize` applies, to one model or one pipeline-stage module
 (the PP split happens before, in ``pipeline.pipeline_split``):
 
-    float8 conversion -> TP/SP -> CP -> AC -> compile -> FSDP
+    float8 conversion -> TP/SP -> CP -> EP -> AC -> compile -> FSDP
 
 * TP before FSDP: FSDP then shards the TP-local shards (FSDP+TP gives
   ``_StridedShard`` placements).
 * CP swaps the attention core, so it comes before AC/compile wrap the block.
+* EP (plan.ep > 1) swaps each MoE block's ``feed_forward.experts`` for the
+  all-to-all version holding E/ep experts (``expert_parallel.py``); FSDP then
+  shards those over ``efsdp`` (their own ``fully_shard``, gradient divide
+  factor = all data-parallel ranks, see ``fsdp.py``).  Under TP the MoE layers
+  are not TP-sharded: they run on the sequence-parallel local tokens and their
+  gradients are summed over tp after backward (``moe_grads.py``).
 * AC wraps each block; compile compiles the (wrapped) block; FSDP goes last
   so its hooks stay outside the compiled region.
 
@@ -77,6 +83,8 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool) -> str:
             reason = "the pipeline schedule runs its own backward (no spmd_types loss typing)"
         elif plan.cp > 1:
             reason = "ring attention's P2P collectives are not spmd_types-typed"
+        elif plan.ep > 1:
+            reason = "expert parallel uses DTensor expert shards and c10d all-to-all (not spmd_types-typed)"
         elif plan.compile:
             reason = "spmd_types type checking (a TorchFunctionMode) would disable torch.compile"
         elif plan.float8:
@@ -100,6 +108,9 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     if plan.cp > 1:
         from .context_parallel import apply_cp
         apply_cp(module, meshes.cp)
+    if plan.ep > 1:
+        from .expert_parallel import apply_ep
+        apply_ep(module, meshes.ep)
     apply_ac(module, plan.ac)
     if plan.compile:
         apply_compile(module)
@@ -108,7 +119,9 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
                         reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)
     elif uses_fsdp(plan, precision):
         apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                   reshard_after_forward=plan.reshard_after_forward)
+                   reshard_after_forward=plan.reshard_after_forward,
+                   expert_mesh=meshes.expert_fsdp if plan.ep > 1 else None,
+                   expert_divide_factor=plan.dp_replicate * plan.dp_shard * plan.cp)
     return module
 
 

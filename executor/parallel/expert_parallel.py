@@ -26,7 +26,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ..models.moe import GroupedExperts, grouped_swiglu
+from ..models.moe import GroupedExperts, grouped_swiglu, in_backward
 
 
 class ExpertParallelExperts(nn.Module):
@@ -47,6 +47,11 @@ class ExpertParallelExperts(nn.Module):
                 distribute_tensor(full.detach(), ep_mesh, [Shard(0)]), requires_grad=full.requires_grad))
         self.last_all_to_all_s = 0.0   # wall time of this layer's all-to-alls in the last forward
         self.last_all_to_all_bytes = 0
+        # per training step (the loop resets them): forward all-to-all seconds, and bytes this rank
+        # sent in dispatch + combine, forward and backward (the backward all-to-alls take the
+        # reverse routes, so they send what the forward received: counted equal to the forward's)
+        self.step_all_to_all_s = 0.0
+        self.step_all_to_all_bytes = 0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] sorted by global expert; counts: [E] tokens per global expert."""
@@ -71,6 +76,10 @@ class ExpertParallelExperts(nn.Module):
         a2a_s += time.perf_counter() - t1
         self.last_all_to_all_s = a2a_s
         self.last_all_to_all_bytes = (sum(in_splits) + sum(out_splits)) * x.shape[-1] * x.element_size()
+        self.step_all_to_all_s += a2a_s
+        # a recompute (activation checkpointing) moves the forward bytes again; its backward is
+        # the original forward's, already counted
+        self.step_all_to_all_bytes += self.last_all_to_all_bytes * (1 if in_backward() else 2)
         return out
 
 

@@ -5,6 +5,16 @@ tokens of the same sequences, so their gradients are averaged too); with
 ``dp_replicate > 1`` the mesh is 2-D (dp_replicate, dp_shard_cp): parameters
 are sharded within a replica group and all-reduced across groups (HSDP).
 
+Expert parallel (``expert_mesh`` given): each MoE block's routed experts
+(already ``Shard(0)`` over ep) get their own ``fully_shard`` on the experts'
+mesh (``efsdp``, or (dp_replicate, efsdp) with HSDP) before the block's, as in
+TorchTitan.  FSDP would average their gradients over that mesh only, but the
+all-to-all backward has already *summed* each expert's gradient over the ep
+ranks, so the divide factor is set to every data-parallel rank
+(dp_replicate*dp_shard*cp): the result is the gradient of the global mean loss.
+On gloo (no PREMUL_SUM) the reduction is forced to SUM followed by that
+division (not when efsdp has one rank: FSDP then divides locally itself).
+
 Blocks use the plan's ``reshard_after_forward``; the root (embedding, final
 norm, LM head) keeps its parameters after forward, as the FSDP2 docs
 recommend, since backward needs them first.  Mixed precision: parameters are
@@ -24,6 +34,7 @@ missing-gradient-reduction bug it exists to catch.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -37,9 +48,21 @@ def _mp_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrec
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool) -> None:
+               reshard_after_forward: bool, expert_mesh: DeviceMesh | None = None,
+               expert_divide_factor: int = 1) -> None:
     mp = _mp_policy(param_dtype, reduce_dtype)
     for block in model.layers.values():
+        if expert_mesh is not None and getattr(block, "moe_enabled", False):
+            experts = block.feed_forward.experts
+            # the all-to-all output is a view; the MoE layer only uses it out of place
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExpertParallelExperts\) "
+                                    r"returned a view tensor")
+            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            experts.set_gradient_divide_factor(float(expert_divide_factor))
+            # gloo has no PREMUL_SUM: SUM, then divide.  Not when the reduce-scatter group (efsdp,
+            # the mesh's last dim) has one rank: FSDP then divides locally, and would divide twice
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1 and expert_mesh.device_type != "cuda":
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
 

@@ -13,6 +13,13 @@ to this rank's sequence chunk (backward all-gathers the gradient).  The
 executor uses that when compiling, because a TP-sharded embedding + compiled
 blocks + FSDP trains silently wrong on torch 2.13/2.14 (TORCH_ON_CPU.md item 9c).
 
+Mixture-of-experts blocks (``block.moe_enabled``): only attention is
+TP-sharded.  The MoE layer is token-wise, so it runs on the sequence-parallel
+local tokens (``ffn_norm`` hands over a plain local tensor) with router,
+routed and shared experts replicated over tp -- no TP communication.  Each tp
+rank then holds gradients for different tokens: ``moe_grads.py`` sums them
+over tp after backward.
+
 Head counts are read from shapes by the model, so local (column-sharded)
 projections need no model change.  Works on a pipeline stage: modules set to
 ``None`` are skipped.
@@ -48,6 +55,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = Tru
         parallelize_module(model, tp_mesh, root_plan)
 
     for block in model.layers.values():
+        moe = getattr(block, "moe_enabled", False)
         block_plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -61,7 +69,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = Tru
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
-        if getattr(block.feed_forward, "w3", None) is not None:
+        if moe:       # token-wise MoE on the local (sequence-sharded) tokens, weights replicated
+            for k in ("feed_forward", "feed_forward.w1", "feed_forward.w2"):
+                del block_plan[k]
+            block_plan["ffn_norm"] = SequenceParallel(use_local_output=True)
+        elif getattr(block.feed_forward, "w3", None) is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, block_plan)
 

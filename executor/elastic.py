@@ -1,0 +1,103 @@
+"""Elastic restarts: which plan a restarted job runs when its world size changed.
+
+torchrun (``titan-run --max-restarts N --nnodes MIN:MAX``) restarts every
+worker after a failure or a membership change; the workers resume from the
+latest complete checkpoint of the run (executor/checkpoint.py), and DCP
+reshards it onto whatever layout the new world runs.  When the new world is
+not the plan's world size:
+
+* ``--fallback-plan FILE``: that plan file (its own world size must match), or
+* :func:`replan`: keep tp, pp, cp and ep when ``tp*pp*cp`` divides the new
+  world; every remaining rank goes to ``dp_shard`` (dp_replicate becomes 1);
+  the global batch is unchanged: ``microbatch`` is kept when possible and
+  ``n_microbatches`` absorbs the change in dp, otherwise the largest
+  micro-batch that divides the per-rank batch (and leaves the schedule
+  enough micro-batches) is taken.
+
+Because every layout computes the same math (layout-independent init, global
+mean loss), the loss curve continues as if nothing happened, up to fp32
+rounding of the different reduction order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from search_spaces.plan import Plan, PlanError, min_microbatches
+
+from .config import ConfigError, load_run_config, read_plan_file
+
+
+def nnodes_range(nnodes: str | None) -> tuple[int, int]:
+    if not nnodes:
+        return 1, 1
+    try:
+        lo, _, hi = str(nnodes).partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX, got '{nnodes}'") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '{nnodes}'")
+    return lo, hi
+
+
+def launcher_world(args, nproc: int) -> int:
+    """The world size the launcher validates the plan against: nproc per node times the most nodes."""
+    return nproc * nnodes_range(getattr(args, "nnodes", None))[1]
+
+
+def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:
+    """A plan for `world` ranks that keeps tp/pp/cp/ep and the global batch (see the module docstring)."""
+    gb = plan.global_batch() if global_batch is None else global_batch
+    fixed = plan.tp * plan.pp * plan.cp
+    if world % fixed:
+        raise ConfigError(f"cannot re-plan for world {world}: tp*pp*cp = {plan.tp}*{plan.pp}*{plan.cp} = {fixed} "
+                          "does not divide it (give --fallback-plan)")
+    dp = world // fixed
+    if gb % dp:
+        raise ConfigError(f"cannot re-plan for world {world}: global batch {gb} is not divisible by dp = {dp} "
+                          "(give --fallback-plan)")
+    per_rank = gb // dp
+    need = min_microbatches(plan.schedule, plan.pp) if plan.pp > 1 else 1
+    choices = [mb for mb in range(min(plan.microbatch, per_rank), 0, -1)
+               if per_rank % mb == 0 and per_rank // mb >= need]
+    if not choices:
+        raise ConfigError(f"cannot re-plan for world {world}: {per_rank} sequences per dp rank is fewer than the "
+                          f"{need} micro-batches schedule {plan.schedule} needs (give --fallback-plan)")
+    mb = choices[0]
+    ep = plan.ep
+    while ep > 1 and (dp * plan.cp) % ep:
+        ep //= 2
+    new = dataclasses.replace(plan, dp_replicate=1, dp_shard=dp, microbatch=mb, n_microbatches=per_rank // mb,
+                              ep=ep)
+    try:
+        new.validate()
+    except PlanError as e:
+        raise ConfigError(f"cannot re-plan for world {world}: {e} (give --fallback-plan)") from None
+    return new
+
+
+def load_elastic_config(args, world: int):
+    """The run config for `world` ranks: the plan if it fits, else --fallback-plan, else :func:`replan`."""
+    try:
+        return load_run_config(args.plan, args.set, world_size=world, steps=args.steps)
+    except ConfigError as first:
+        if "world size" not in str(first):
+            raise
+        if args.fallback_plan:
+            return load_run_config(args.fallback_plan, args.set, world_size=world, steps=args.steps)
+        original = Plan.from_dict(_plan_dict(read_plan_file(args.plan), args.set))
+        base = load_run_config(args.plan, args.set, world_size=original.world_size, steps=args.steps)
+        new = replan(base.plan, world, base.global_batch)
+        overrides = list(args.set) + [f"plan.{k}={v}" for k, v in new.to_dict().items()]
+        cfg = load_run_config(args.plan, overrides, world_size=world, steps=args.steps)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"titan-run: elastic: world {world} does not fit the plan ({base.plan.describe()}); "
+                  f"re-planned to {new.describe()}", file=sys.stderr, flush=True)
+        return cfg
+
+
+def _plan_dict(raw: dict, overrides: list[str]) -> dict:
+    from .config import apply_overrides, parse_overrides
+    return dict(apply_overrides(raw, parse_overrides(overrides)).get("plan") or {})

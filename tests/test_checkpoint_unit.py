@@ -1,0 +1,192 @@
+"""Checkpoint pieces without a training run: validation, safe loading, re-planning, HF names/RoPE, CLI plumbing."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor import checkpoint as ck
+from executor.config import ConfigError
+from executor.elastic import nnodes_range, replan
+from search_spaces.plan import Plan
+from tests.distributed.harness import ROOT, env, titan_run_cmd
+
+
+def fake_checkpoint(folder: Path, step: int, *, fingerprint: str | None = None, model: str = "llama3-debug") -> Path:
+    """A tiny but well-formed checkpoint folder (real DCP files of a small state dict, our JSON)."""
+    import torch.distributed.checkpoint as dcp
+    from cost_models.specs import load_model
+    path = folder / ck.step_name(step)
+    path.mkdir(parents=True)
+    with pytest.warns(UserWarning):
+        dcp.save({"model": {"w": torch.arange(1000, dtype=torch.float32)}}, checkpoint_id=str(path), no_dist=True)
+    meta = {"format": ck.FORMAT, "kind": "train", "model": model, "step": step,
+            "fingerprint": fingerprint or ck.model_fingerprint(load_model(model)), "data": {"global_batch": 4}}
+    (path / ck.META).write_text(json.dumps(meta))
+    (path / ck.MARKER).write_text(json.dumps({"files": ck.manifest(path), "step": step}))
+    return path
+
+
+def test_fingerprint_is_layout_independent_and_model_specific():
+    from cost_models.specs import load_model
+    a = ck.model_fingerprint(load_model("llama3-debug"))
+    assert a == ck.model_fingerprint(load_model("llama3-debug")) and len(a) == 16
+    assert a != ck.model_fingerprint(load_model("moe-debug"))
+
+
+def test_truncated_garbled_and_unmarked_checkpoints_are_skipped_with_a_warning(tmp_path):
+    good = fake_checkpoint(tmp_path, 2)
+    s4, s6, s8 = (fake_checkpoint(tmp_path, s) for s in (4, 6, 8))
+    shard = next(s8.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])                       # truncated
+    shard = next(s6.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                       # garbled, same size
+    shard.write_bytes(bytes(data))
+    (s4 / ck.MARKER).unlink()                                          # never completed
+    (tmp_path / "step-000010.tmp").mkdir()                             # a save in progress
+    assert "truncated" in ck.problem(s8) and "sha256" in ck.problem(s6) and "marker" in ck.problem(s4)
+    warnings: list[str] = []
+    assert ck.resolve("latest", tmp_path, warn=warnings.append) == good
+    assert len(warnings) == 3 and all(w.startswith("warning: skipping checkpoint") for w in warnings)
+    assert ck.resolve(str(tmp_path), tmp_path / "elsewhere", warn=warnings.append) == good   # a folder of them
+    with pytest.raises(ck.CheckpointError, match=r"cannot be loaded: file .* \(truncated\?\)"):
+        ck.resolve(str(s8), tmp_path)                                  # named explicitly: refused, not skipped
+    (next(good.glob("*.distcp"))).unlink()
+    with pytest.raises(ck.CheckpointError, match="no complete checkpoint"):
+        ck.resolve("latest", tmp_path, warn=lambda m: None)
+
+
+def test_dcp_metadata_is_unpickled_with_an_allow_list(tmp_path):
+    path = fake_checkpoint(tmp_path, 1)
+    meta = ck.safe_unpickle((path / ".metadata").read_bytes())
+    assert type(meta).__name__ == "Metadata"
+    state = {"model": {"w": torch.zeros(1000)}}
+    ck.dcp_load(state, path, no_dist=True)
+    assert torch.equal(state["model"]["w"], torch.arange(1000, dtype=torch.float32))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(Exception, match="not allowed"):
+        ck.dcp_load({"model": {"w": torch.zeros(1000)}}, path, no_dist=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_pickled_objects_inside_a_checkpoint_are_refused(tmp_path):
+    """DCP stores non-tensor values as torch.save bytes and loads them with weights_only=False: we refuse."""
+    import torch.distributed.checkpoint as dcp
+    with pytest.warns(UserWarning):
+        dcp.save({"extra": {"obj": {"a": 1}}}, checkpoint_id=str(tmp_path), no_dist=True)
+    with pytest.raises(Exception, match="pickled object"):
+        ck.dcp_load({"extra": {"obj": {"a": 0}}}, tmp_path, no_dist=True)
+
+
+def test_replan_keeps_model_parallel_degrees_and_the_global_batch():
+    p = replan(Plan(dp_shard=4, tp=2, microbatch=2), 4)
+    assert (p.dp_shard, p.tp, p.microbatch, p.n_microbatches) == (2, 2, 2, 2) and p.global_batch() == 8
+    p = replan(Plan(dp_replicate=2, dp_shard=2, pp=2, microbatch=1, n_microbatches=2), 4)
+    assert (p.dp_replicate, p.dp_shard, p.pp, p.n_microbatches) == (1, 2, 2, 4) and p.global_batch() == 8
+    with pytest.raises(ConfigError, match="tp\\*pp\\*cp = 1\\*2\\*1 = 2 does not divide"):
+        replan(Plan(pp=2, dp_shard=2, microbatch=1, n_microbatches=2), 3)
+    with pytest.raises(ConfigError, match="not divisible by dp"):
+        replan(Plan(dp_shard=2, microbatch=2), 3)
+    assert nnodes_range("2:4") == (2, 4) and nnodes_range("3") == (3, 3)
+    with pytest.raises(ConfigError):
+        nnodes_range("4:2")
+
+
+def test_replan_needs_a_divisible_global_batch():
+    with pytest.raises(ConfigError, match="global batch 6 is not divisible by dp = 4"):
+        replan(Plan(dp_shard=2, microbatch=3), 4, global_batch=6)
+
+
+def test_hf_names_and_rope_permutation_match_hf_rotate_half():
+    from executor.export import from_hf_rope, hf_name, our_name, to_hf_rope
+    from executor.models.llama import apply_rope, rope_cos_sin
+    assert hf_name("layers.3.attention.wq.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("layers.0.feed_forward.w1.weight") == "model.layers.0.mlp.gate_proj.weight"
+    assert hf_name("layers.0.feed_forward.w3.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("output.weight") == "lm_head.weight" and our_name("model.norm.weight") == "norm.weight"
+    heads, hd, dim, seq = 4, 16, 32, 7
+    w, x = torch.randn(heads * hd, dim), torch.randn(1, seq, dim)
+    assert torch.equal(from_hf_rope(to_hf_rope(w, hd), hd), w)
+    cos, sin = rope_cos_sin(torch.arange(seq), hd, 10000.0, torch.float32)
+    ours = apply_rope((x @ w.T).view(1, seq, heads, hd), cos, sin)               # interleaved pairs
+    q = (x @ to_hf_rope(w, hd).T).view(1, seq, heads, hd)                         # HF: rotate_half
+    c, s = torch.cat([cos, cos], -1)[None, :, None, :], torch.cat([sin, sin], -1)[None, :, None, :]
+    rot = torch.cat([-q[..., hd // 2:], q[..., :hd // 2]], -1)
+    hf = q * c + rot * s
+    # HF's output is ours with each head's dims permuted the same way as the weights
+    assert torch.allclose(to_hf_rope(ours.reshape(seq, heads * hd).T, hd).T.reshape(hf.shape), hf, atol=1e-5)
+
+
+def run_cli(args, timeout=120):
+    return subprocess.run(titan_run_cmd(*args), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_checkpoint_of_another_model_is_refused_before_start(tmp_path):
+    fake_checkpoint(tmp_path / "ck", 3, fingerprint="0123456789abcdef", model="moe-debug")
+    p = run_cli(["--steps", "5", "--run-dir", str(tmp_path / "run"), "--resume", str(tmp_path / "ck")])
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "is of model 'moe-debug'" in lines[0] and "parameter shapes differ" in lines[0]
+    assert not (tmp_path / "run").exists()
+    p = run_cli(["--steps", "5", "--run-dir", str(tmp_path / "run"), "--resume"])       # latest, none there
+    assert p.returncode == 2 and "no complete checkpoint under" in p.stderr
+
+
+def test_elastic_flags_reach_torchrun(monkeypatch):
+    from executor import launch
+    seen = {}
+
+    class FakePopen:            # only the torchrun command line is captured; nothing of torch is mocked
+        def __init__(self, cmd, env=None):
+            seen["cmd"] = cmd
+
+        def wait(self, timeout=None):
+            return 0
+    monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
+    assert launch.run_torchrun(4, ["--plan", "p.yaml"], max_restarts=3, nnodes="1:2", rdzv_endpoint="h:29400",
+                               rdzv_id="job7") == 0
+    cmd = " ".join(seen["cmd"])
+    for part in ("--max-restarts=3", "--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400",
+                 "--rdzv-id=job7", "--nproc-per-node=4"):
+        assert part in cmd
+    assert "--standalone" not in cmd
+    launch.run_torchrun(2, [])
+    assert "--standalone" in seen["cmd"] and not any(a.startswith("--max-restarts") for a in seen["cmd"])
+
+
+def test_export_without_safetensors_is_a_clear_error(monkeypatch):
+    import builtins
+
+    from executor import export
+    real = builtins.__import__
+
+    def no_st(name, *a, **k):
+        if name.startswith("safetensors"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_st)
+    with pytest.raises(ck.CheckpointError, match="pip install safetensors"):
+        export._safetensors()
+
+
+def test_train_keys_are_validated():
+    from executor.config import TrainConfig
+    t = TrainConfig(checkpoint_every=5, keep_checkpoints=2, async_checkpoint=True, resume="latest")
+    assert t.checkpoint_every == 5
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        TrainConfig(checkpoint_every=-1)
+    with pytest.raises(ConfigError, match="async_checkpoint"):
+        TrainConfig(async_checkpoint="yes")
+    assert sys.version_info >= (3, 10)
