@@ -102,13 +102,9 @@ class Coefficients:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Coefficients":
         """Read a calibration file: the coefficients, either at the top level or under 'coefficients:'."""
+        from search_spaces.yaml_file import read_yaml
         p = Path(path)
-        if not p.is_file():
-            raise CoefficientsError(f"calibration file '{p}' does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise CoefficientsError(f"{p}: malformed YAML: {getattr(e, 'problem', e)}") from None
+        data = read_yaml(p, error=CoefficientsError, what="calibration file")
         if isinstance(data, Mapping) and "coefficients" in data:
             data = data["coefficients"]
         return cls.from_dict(data or {}, where=str(p))

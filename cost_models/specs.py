@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
+from search_spaces.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -264,14 +264,7 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise SpecError(f"unknown {kind[:-1] if kind == 'models' else kind} '{s}'{hint}; "
                             f"known: {', '.join(known)}; or give the path of a YAML file")
-    if not path.is_file():
-        raise SpecError(f"{kind} file '{path}' does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SpecError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
+    data = read_yaml(path, error=SpecError, what=f"{kind} file")
     if not isinstance(data, Mapping):
         raise SpecError(f"{path}: expected a mapping of keys, got {type(data).__name__}")
     data = dict(data)

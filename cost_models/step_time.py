@@ -269,7 +269,6 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     st = {k: np.asarray(v)[inverse] for k, v in st.items()}
     nmb = table.n_microbatches.astype(np.float64)
     per_mb_compute = st["F"] + st["B"] + st["W"]
-    per_mb = per_mb_compute + st["tp_f"] + st["tp_b"] + st["cp_f"] + st["cp_b"] + st["ep_f"] + st["ep_b"]
     Fc = st["F"] + st["tp_f"] + st["cp_f"] + st["ep_f"]
     Bc = st["B"] + st["tp_b"] + st["cp_b"] + st["ep_b"]
     # the warm-up and cool-down run through the other stages, which do not hold the LM head and

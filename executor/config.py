@@ -34,6 +34,7 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, Workload, load_hardware, load_model
 from search_spaces.constraints import Target, check_plan
+from search_spaces.yaml_file import read_yaml
 from search_spaces.plan import Plan, PlanError, min_microbatches
 
 DEFAULT_MODEL = "llama3-debug"
@@ -198,17 +199,9 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, Any]]) -> dict:
 
 
 def read_plan_file(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"plan file '{p}' does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
+    data = read_yaml(path, error=ConfigError, what="plan file")
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{p}: expected a mapping with keys model, workload, plan (got {type(data).__name__})")
+        raise ConfigError(f"{path}: expected a mapping with keys model, workload, plan (got {type(data).__name__})")
     return dict(data)
 
 

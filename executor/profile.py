@@ -81,7 +81,7 @@ def bench_memory_bw(device, nbytes: int = 256 * 2 ** 20) -> float:
 
 
 def bench_collectives(device, dtype, sizes: list[int], group_sizes: list[int]) -> list[dict]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     rows = []
     for g in group_sizes:
         ranks = list(range(g))

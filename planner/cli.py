@@ -16,7 +16,6 @@ import json
 import re
 import sys
 import time
-from pathlib import Path
 
 SUBCOMMANDS = ("plan", "estimate", "list", "profile", "calibrate")
 EXIT_USAGE = 2

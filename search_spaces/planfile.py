@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import yaml
 
 from .plan import Plan, PlanError
+from .yaml_file import read_yaml
 
 TOP_LEVEL_KEYS = ("model", "hardware", "workload", "plan", "train", "predicted", "measured", "inputs",
                   "provenance")
@@ -31,16 +32,8 @@ TOP_LEVEL_KEYS = ("model", "hardware", "workload", "plan", "train", "predicted",
 
 def read_plan_file(path: str | os.PathLike) -> dict[str, Any]:
     """Parse and check a plan file; returns its mapping with ``plan`` as a `Plan`."""
-    p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"plan file '{p}' does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise PlanError(f"{p}: malformed YAML{at}: {getattr(e, 'problem', e)}") from None
-    return plan_file_from_dict(data, where=str(p))
+    data = read_yaml(path, error=PlanError, what="plan file")
+    return plan_file_from_dict(data, where=str(path))
 
 
 def plan_file_from_dict(data: Any, *, where: str = "plan file") -> dict[str, Any]:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
 from .plan import AC_MODES, BACKENDS, SCHEDULES, PlanError
+from .yaml_file import read_yaml
 
 SPACE_DIR = Path(__file__).parent
 DEGREE_AXES = ("dp_replicate", "pp", "tp", "cp", "ep")  # dp_shard is what remains of the world
@@ -75,12 +75,7 @@ def load_space(name_or_path: str | os.PathLike) -> SearchSpace:
         if not path.is_file():
             raise SpaceError(f"unknown search space '{s}'; known: {', '.join(space_names())}; "
                              "or give the path of a YAML file")
-    if not path.is_file():
-        raise SpaceError(f"search-space file '{path}' does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpaceError(f"{path}: malformed YAML: {getattr(e, 'problem', e)}") from None
+    data = read_yaml(path, error=SpaceError, what="search-space file")
     return space_from_dict(data, where=str(path), default_name=path.stem)
 
 
