@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[profile] gemm + memory bandwidth: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if dist.is_initialized() and world > 1:
         dist.barrier()
-        top = args.max_bytes if not args.quick else min(args.max_bytes, 2 ** 20)
+        top = args.max_bytes if not args.quick else min(args.max_bytes, 4 * 2 ** 20)
         sizes = [2 ** k for k in range(12, top.bit_length()) if 2 ** k <= top]
         sizes = sizes[::2] if args.quick else sizes
         groups = [g for g in (2, 4, 8, 16, 32, 64) if g <= world]

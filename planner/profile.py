@@ -57,7 +57,10 @@ def fit_alpha_beta(rows: list[dict]) -> dict[str, dict[str, float]]:
         coef, _ = nnls(a * w[:, None], t * w)
         alpha, inv_bw = coef
         if inv_bw <= 0:
-            continue
+            # latency hides the bandwidth term at these sizes (e.g. --quick): take the best achieved
+            # bandwidth, a lower bound, so the op still gets a figure
+            inv_bw = float(np.min(t / a[:, 1]))
+            coef = np.array([alpha, inv_bw])
         pred = a @ coef
         out[op] = {"latency_s": float(alpha), "bw_bytes_per_s": float(1.0 / inv_bw),
                    "median_abs_pct_err": float(np.median(np.abs(pred - t) / t) * 100), "points": len(rs)}

@@ -36,3 +36,11 @@ def test_profile_quick_run_writes_usable_spec(tmp_path, capsys):
     assert "measured by `titan-plan profile`" in yaml.safe_load(out.read_text())["source"]
     # and the planner accepts it
     assert main(["--hardware", str(out), "--gpus", "2", "--no-write"]) == 0
+
+
+def test_fit_when_latency_hides_bandwidth_still_reports_every_op():
+    rows = [{"op": op, "group": 2, "bytes": b, "seconds": 1e-3} for op in RING for b in (4096, 16384, 65536)]
+    fits = fit_alpha_beta(rows)
+    assert set(fits) == set(RING)
+    for f in fits.values():
+        assert f["bw_bytes_per_s"] > 0 and f["latency_s"] >= 0
