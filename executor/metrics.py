@@ -96,63 +96,48 @@ class CommTimer:
         self.calls[axis] = self.calls.get(axis, 0) + 1
 
     # -- wrappers
-    def _wrap_c10d(self, fn):
+    def _wrap(self, fn, *, functional: bool):
+        """Time `fn` (a c10d or functional collective) and charge it to its group's axis."""
         sig = inspect.signature(fn)
         timer = self
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if torch.compiler.is_compiling() or getattr(timer._tls, "depth", 0):
-                return fn(*args, **kwargs)
+        def group_of(args, kwargs):
             if fn.__name__ == "batch_isend_irecv":
                 ops = args[0] if args else kwargs.get("p2p_op_list", [])
-                group = getattr(ops[0], "group", None) if ops else None
-            else:
-                try:
-                    group = sig.bind_partial(*args, **kwargs).arguments.get("group")
-                except TypeError:
-                    group = None
-            axis = timer._axis(group)
-            timer._tls.depth = 1
-            t0 = time.perf_counter()
+                return getattr(ops[0], "group", None) if ops else None
             try:
-                out = fn(*args, **kwargs)
-            finally:
-                timer._tls.depth = 0
-                timer._add(axis, time.perf_counter() - t0)
-            works = out if isinstance(out, list) else [out]
-            for w in works:
-                if isinstance(w, dist.Work):
-                    timer._pending[id(w)] = axis
-            return out
-        return wrapper
-
-    def _wrap_funcol(self, fn):
-        sig = inspect.signature(fn)
-        timer = self
+                return sig.bind_partial(*args, **kwargs).arguments.get("group")
+            except TypeError:
+                return None
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if torch.compiler.is_compiling() or getattr(timer._tls, "depth", 0):
                 return fn(*args, **kwargs)
-            try:
-                group = sig.bind_partial(*args, **kwargs).arguments.get("group")
-            except TypeError:
-                group = None
-            axis = timer._axis(group)
+            axis = timer._axis(group_of(args, kwargs))
             timer._tls.depth = 1
             t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
-                for t in (out if isinstance(out, (list, tuple)) else [out]):
-                    wait = getattr(t, "wait", None)
-                    if callable(wait) and isinstance(t, torch.Tensor):
-                        wait()     # time to completion (AsyncCollectiveTensor)
+                if functional:   # time to completion (AsyncCollectiveTensor)
+                    for t in (out if isinstance(out, (list, tuple)) else [out]):
+                        if isinstance(t, torch.Tensor) and callable(getattr(t, "wait", None)):
+                            t.wait()
             finally:
                 timer._tls.depth = 0
                 timer._add(axis, time.perf_counter() - t0)
+            if not functional:   # async c10d work: its wait() is timed when it is called
+                for w in (out if isinstance(out, list) else [out]):
+                    if isinstance(w, dist.Work):
+                        timer._pending[id(w)] = axis
             return out
         return wrapper
+
+    def _wrap_c10d(self, fn):
+        return self._wrap(fn, functional=False)
+
+    def _wrap_funcol(self, fn):
+        return self._wrap(fn, functional=True)
 
     def _wrap_wait(self, orig_wait):
         timer = self
