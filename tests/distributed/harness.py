@@ -116,3 +116,12 @@ class _heavy_lock:
             fcntl.flock(self.f, fcntl.LOCK_UN)
             self.f.close()
         return False
+
+
+def check_worker_run(run: dict, ref_losses: list[float]) -> None:
+    """A `_pp_cp_worker.py` run equals the single-process run: losses, step-0 grads, final params."""
+    assert "error" not in run, run.get("error")
+    for step, (a, b) in enumerate(zip(run["losses"], ref_losses)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: loss {a} vs single-process {b}"
+    assert run["grad_diff"] < 1e-5, f"step-0 gradient differs by {run['grad_diff']:.3g}"
+    assert run["param_diff"] < 5e-4, f"parameters after 5 AdamW steps differ by {run['param_diff']:.3g}"

@@ -12,6 +12,7 @@ from cost_models.specs import load_model
 from executor.models.llama import Transformer
 from executor.parallel.pipeline import schedule_class, split_for_rank, split_layers, stage_ids_for_rank
 from search_spaces.plan import Plan
+from tests.distributed.harness import check_worker_run
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
 
@@ -94,19 +95,11 @@ def pp2_report():
     return mod.launch(2, "--case", "pp", "--schedules", ",".join(SCHEDULES))
 
 
-def _check_run(run, ref_losses):
-    assert "error" not in run, run.get("error")
-    for step, (a, b) in enumerate(zip(run["losses"], ref_losses)):
-        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: loss {a} vs single-process {b}"
-    assert run["grad_diff"] < 1e-5, f"step-0 gradient differs by {run['grad_diff']:.3g}"
-    assert run["param_diff"] < 5e-4, f"parameters after 5 AdamW steps differ by {run['param_diff']:.3g}"
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pp2_schedule_matches_single_process(pp2_report, schedule):
     run = pp2_report["runs"][schedule]
-    _check_run(run, pp2_report["ref_losses"])
+    check_worker_run(run, pp2_report["ref_losses"])
     assert run["n_fqns"] == run["n_ref_fqns"], "stage parameters do not cover the model"
 
 
@@ -119,7 +112,7 @@ def test_pp2_cp2_matches_single_process(schedule):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     report = mod.launch(4, "--case", "pp_cp", "--schedules", schedule)
-    _check_run(report["runs"][f"pp_cp_{schedule}"], report["ref_losses"])
+    check_worker_run(report["runs"][f"pp_cp_{schedule}"], report["ref_losses"])
 
 
 @pytest.mark.distributed
@@ -139,4 +132,4 @@ def test_pp2_with_fsdp_tp_cp(layout):
     schedule, *rest = layout.split()
     report = mod.launch(4, "--case", "mix", "--model", "tiny", "--schedules", schedule, *rest)
     (run,) = report["runs"].values()
-    _check_run(run, report["ref_losses"])
+    check_worker_run(run, report["ref_losses"])
