@@ -61,6 +61,9 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     mem = {k: np.asarray(mem[k], dtype=np.float64) + np.zeros(n) for k in MEMORY_KEYS}
     tim = {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(n) for k in TIME_KEYS}
     peak = sum(mem[k] for k in MEMORY_KEYS)
+    if coeffs.memory_scale != 1.0:          # calibrated safety factor: its share is reported as overhead
+        mem["overhead"] = mem["overhead"] + (coeffs.memory_scale - 1.0) * peak
+        peak = peak * coeffs.memory_scale
     step = sum(tim[k] for k in TIME_KEYS)
     world = table.world_size.astype(np.float64)
     tokens_per_s = workload.global_batch_tokens / step

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from search_spaces.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -139,6 +141,9 @@ class HardwareSpec:
     sm_count: int = 0            # streaming multiprocessors (tile/wave quantization of GEMMs); 0 = ignore
     kernel_launch_us: float = 4.0  # host (CPU) time per kernel the training loop launches, with the
     #                                framework work around it (Python, autograd, dispatcher, driver)
+    host_cores: int = 0          # CPU devices only: cores of one host, shared by its processes. A plan
+    #   that runs more processes on a host than it has cores gives each cores/processes of the
+    #   per-process throughput measured by `titan-plan profile` (one process per core); 0 = ignore
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -149,8 +154,9 @@ class HardwareSpec:
                 raise SpecError(f"hardware '{self.name}': key '{k}' must be > 0")
         if self.gpus_per_node < 1:
             raise SpecError(f"hardware '{self.name}': key 'gpus_per_node' must be >= 1")
-        if self.sm_count < 0 or self.kernel_launch_us < 0:
-            raise SpecError(f"hardware '{self.name}': keys 'sm_count' and 'kernel_launch_us' must be >= 0")
+        if self.sm_count < 0 or self.kernel_launch_us < 0 or self.host_cores < 0:
+            raise SpecError(f"hardware '{self.name}': keys 'sm_count', 'kernel_launch_us' and 'host_cores' "
+                            "must be >= 0")
         bad = sorted(set(self.efficiency) - set(EFFICIENCY_KEYS))
         if bad:
             raise SpecError(f"hardware '{self.name}': unknown efficiency key '{bad[0]}' "
@@ -163,6 +169,17 @@ class HardwareSpec:
     @property
     def supports_float8(self) -> bool:
         return self.peak_tflops_fp8 > 0
+
+    def oversubscription(self, world_size) -> np.ndarray:
+        """Slowdown of CPU work per process: processes on one host / its cores (>= 1).
+
+        `world_size` may be an array; a host runs min(world, gpus_per_node) processes.
+        1.0 for accelerators and when `host_cores` is 0.
+        """
+        w = np.asarray(world_size, dtype=np.float64)
+        if self.device != "cpu" or self.host_cores <= 0:
+            return np.ones_like(w)
+        return np.maximum(1.0, np.minimum(w, self.gpus_per_node) / self.host_cores)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

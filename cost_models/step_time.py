@@ -286,14 +286,16 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     p2p = p2p_time(table.microbatch * workload.seq_len / table.cp * model.dim * r.elt / sp, ppl.p2p_bw, ppl.alpha)
     pp_p2p = np.where(table.pp > 1, 2.0 * (nmb * table.stages_per_rank + table.pp - 1) * p2p, 0.0)
 
-    other = opt_bytes / r.mem + coeffs.step_overhead_s + nmb * coeffs.microbatch_overhead_s
+    # CPU hosts running more processes than cores: the work of each process takes longer
+    slow = hw.oversubscription(table.world_size)
+    other = slow * opt_bytes / r.mem + coeffs.step_overhead_s + nmb * coeffs.microbatch_overhead_s
     return {
-        "compute": nmb * per_mb_compute,
+        "compute": slow * nmb * per_mb_compute,
         "tp_comm": nmb * (st["tp_f"] + st["tp_b"]),
         "cp_comm": nmb * (st["cp_f"] + st["cp_b"]),
         "ep_comm": nmb * (st["ep_f"] + st["ep_b"]),
         "dp_comm": dp + np.zeros(n),
         "pp_p2p": pp_p2p,
-        "pp_bubble": bubble,
+        "pp_bubble": slow * bubble,
         "other": other + np.zeros(n),
     }

@@ -4,10 +4,11 @@ Time: the coefficients in `TIME_PARAMS` are fitted with
 ``scipy.optimize.least_squares`` (bounded, robust ``soft_l1`` loss) to the
 log-ratio of predicted and measured step time, so a 10% miss weighs the same
 on a 0.1 s and a 10 s step. Memory: `activation_memory_scale` and
-`memory_overhead_bytes` are fitted to the relative memory error; then the
-overhead is raised just enough that every measured peak is at or below its
-prediction (the planner's "fits" must be a promise). The honest error figure
-is leave-one-out: each trial predicted by coefficients fitted without it.
+`memory_overhead_bytes` are fitted to the log-ratio of measured and predicted
+peak; then `memory_scale` multiplies the prediction just enough that every
+measured peak is at or below it (the planner's "fits" must be a promise) while
+keeping the spread of the ratios. The honest error figure is leave-one-out:
+each trial predicted by coefficients fitted without it.
 """
 from __future__ import annotations
 
@@ -65,20 +66,29 @@ def load_measurements(storage: str, study_name: str | None, hardware: str | None
         raise PlanningError(f"no study '{study_name}' in {storage} (there: {', '.join(names)})")
     study = optuna.load_study(study_name=study_name, storage=storage)
     ua = study.user_attrs
-    plans, times, mems = [], [], []
+    # repeated runs of one plan count as one measurement (median step time, largest peak), so
+    # leave-one-out never keeps a twin of the held-out plan in the fit
+    runs: dict[str, tuple[Plan, list[float], list[float]]] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
         if a.get("status") != "ok" or "duplicate_of" in a or not a.get("step_time_s"):
             continue
-        plans.append(Plan.from_dict(a["plan"]))
-        times.append(float(a["step_time_s"]))
-        mems.append(float(a.get("peak_memory_bytes") or np.nan))
+        plan = Plan.from_dict(a["plan"])
+        key = repr(sorted(plan.to_dict().items()))
+        entry = runs.setdefault(key, (plan, [], []))
+        entry[1].append(float(a["step_time_s"]))
+        entry[2].append(float(a.get("peak_memory_bytes") or np.nan))
+    plans = [e[0] for e in runs.values()]
+    times = [float(np.median(e[1])) for e in runs.values()]
+    mems = [float(np.max(e[2])) for e in runs.values()]
     if len(plans) < 3:
         raise PlanningError(f"study '{study_name}' has {len(plans)} successful trials; calibration needs >= 3")
     wl = Workload(seq_len=int(ua["seq_len"]), global_batch=int(ua["global_batch"]), dtype=ua.get("dtype", "bf16"))
+    hw = load_hardware(hardware or ua["hardware"])
+    if hw.device == "cpu" and ua.get("gpus"):   # CPU trials run on one host (titan-plan's default topology)
+        hw = dataclasses.replace(hw, gpus_per_node=int(ua["gpus"]))
     return Measurements(plans=plans, step_time_s=np.array(times), peak_memory_bytes=np.array(mems),
-                        model=load_model(ua["model"]), hw=load_hardware(hardware or ua["hardware"]),
-                        workload=wl, source=f"{storage} study '{study_name}'")
+                        model=load_model(ua["model"]), hw=hw, workload=wl, source=f"{storage} study '{study_name}'")
 
 
 def predict(m: Measurements, coeffs: Coefficients, idx=None):
@@ -109,24 +119,38 @@ def fit(m: Measurements, idx: np.ndarray, base: Coefficients | None = None) -> C
     c = _with(base, tn, x)
     mem_ok = idx[np.isfinite(m.peak_memory_bytes[idx])]
     if len(mem_ok) >= 2:
-        mn = [p[0] for p in MEMORY_PARAMS]
-        lo_m = np.array([p[1] for p in MEMORY_PARAMS])
-        hi_m = np.array([p[2] for p in MEMORY_PARAMS])
-        meas_m = m.peak_memory_bytes[mem_ok]
-        scale = np.array([1.0, float(np.median(meas_m))])   # make both unknowns O(1)
-
-        def res_m(z):
-            _, mem = predict(m, _with(c, mn, z * scale), mem_ok)
-            return (mem - meas_m) / meas_m
-
-        z0 = np.clip([getattr(c, n) for n in mn], lo_m, hi_m) / scale
-        z = least_squares(res_m, z0, bounds=(lo_m / scale, hi_m / scale), loss="soft_l1", f_scale=0.05).x
-        c = _with(c, mn, z * scale)
-        _, mem = predict(m, c, mem_ok)
-        short = float(np.max(meas_m - mem))
-        if short > 0:   # the promise: predicted >= measured for every trial
-            c = dataclasses.replace(c, memory_overhead_bytes=c.memory_overhead_bytes + short * 1.001)
+        c = fit_memory(m, mem_ok, c)
     return c
+
+
+def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficients:
+    """Memory coefficients: shape first, then the promise.
+
+    `MEMORY_PARAMS` are fitted to log(measured / predicted), which makes the ratios of
+    all trials as equal as the model allows; then `memory_scale` multiplies the whole
+    prediction by the largest remaining ratio, so every measured peak is at or under
+    its prediction while the spread (the band) is kept -- an additive overhead raised
+    to cover the worst trial would push small plans far below their predictions.
+    """
+    from scipy.optimize import least_squares
+
+    mn = [p[0] for p in MEMORY_PARAMS]
+    lo_m = np.array([p[1] for p in MEMORY_PARAMS])
+    hi_m = np.array([p[2] for p in MEMORY_PARAMS])
+    meas_m = m.peak_memory_bytes[idx]
+    scale = np.array([1.0, float(np.median(meas_m))])   # make both unknowns O(1)
+    c = dataclasses.replace(c, memory_scale=1.0)
+
+    def res_m(z):
+        _, mem = predict(m, _with(c, mn, z * scale), idx)
+        return np.log(meas_m / mem)
+
+    z0 = np.clip([getattr(c, n) for n in mn], lo_m, hi_m) / scale
+    z = least_squares(res_m, z0, bounds=(lo_m / scale, hi_m / scale), loss="soft_l1", f_scale=0.02).x
+    c = _with(c, mn, z * scale)
+    _, mem = predict(m, c, idx)
+    worst = float(np.max(meas_m / mem))     # the promise: predicted >= measured for every trial
+    return dataclasses.replace(c, memory_scale=max(worst, 1e-3) * 1.001)
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, float]:

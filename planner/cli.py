@@ -12,6 +12,7 @@ under a second); it reaches the executor only through plan.yaml.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -186,6 +187,8 @@ def resolve_inputs(args, defaults: dict | None = None):
         raise UsageError(f"--gpus must be >= 1, got {gpus}")
     gpn = args.gpus_per_node or d.get("gpus_per_node") or (
         gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
+    if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links
+        hw = dataclasses.replace(hw, gpus_per_node=int(gpn))
     small = _n_params_estimate(model) < 1e8
     seq_len = args.seq_len or (d.get("workload") or {}).get("seq_len") or (256 if small else min(8192, model.max_seq_len))
     wl = d.get("workload") or {}
@@ -299,11 +302,10 @@ def cmd_plan(args) -> int:
             print(f"  {r.count:>9,} {r.unit}: {r.reason}")
         print()
     if dry_rows:
-        print("dry run (exact per-rank parameter + gradient + optimizer bytes of the worst rank):")
+        from .dry_run import format_row
+        print("dry run (exact parameter + gradient + optimizer bytes of the worst rank; FakeTensor step peak):")
         for r in dry_rows:
-            tag = (f"{r['dry_run_state_bytes'] / 2**30:9.3f} GiB, analytic/dry-run {r['state_ratio']:.3f}"
-                   if r["status"] == "ok" else f"FAILED: {r['error']}")
-            print(f"  {report.layout_str(r['plan']):<20} {report.knobs_str(r['plan']):<34} {tag}")
+            print(f"  {report.layout_str(r['plan']):<20} {report.knobs_str(r['plan']):<34} {format_row(r)}")
         print()
     if trial_rows:
         print(f"measured trials (best first), study '{args.study_name or 'default'}' in {args.storage}:")

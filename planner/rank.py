@@ -1,6 +1,7 @@
 """Score every candidate, drop the infeasible ones (with the reason), rank, Pareto front."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
                          float8_supported=hw.supports_float8 and hw.device != "cpu")
     en: Enumeration = enumerate_plans(space, target)
+    if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
+        hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
     est = estimate(en.table, model, hw, workload, coeffs)
     limit = est.capacity_bytes * (1.0 - memory_margin)
     fits = est.peak_memory_bytes <= limit

@@ -346,30 +346,38 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
 
         t0 = time.monotonic()
         s = run_one(launch_command(settings, plan_file, run_dir, nproc), run_dir, settings.timeout_s, on_step)
-        status = s.get("status", "error")
-        trial.set_user_attr("status", status)
-        trial.set_user_attr("wall_s", round(time.monotonic() - t0, 2))
-        trial.set_user_attr("run_dir", str(run_dir))
-        if status == "ok":
-            for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "peak_memory_bytes_per_rank",
-                      "comm_s_per_step", "mfu"):
-                if s.get(k) is not None:
-                    trial.set_user_attr(k, s[k])
-            cap = res.est.capacity_bytes
-            _set_constraint(trial, float((s.get("peak_memory_bytes") or 0) - cap) / cap)
-            study.tell(trial, float(s["tokens_per_s"]))
-            log(f"[trials]   ok: {s['tokens_per_s']:,.1f} tok/s measured, step {s['step_time_s']:.3f} s, "
-                f"peak {(s.get('peak_memory_bytes') or 0) / 2 ** 30:.3f} GiB")
-        elif status == "pruned":
-            _set_constraint(trial, 0.0)
-            study.tell(trial, state=TrialState.PRUNED)
-            log("[trials]   pruned (slower than the median of earlier trials)")
-        else:
-            trial.set_user_attr("reason", s.get("reason", ""))
-            _set_constraint(trial, 1.0)
-            study.tell(trial, 0.0)
-            log(f"[trials]   {status}: {s.get('reason', '')[:200]}")
+        record_result(study, trial, s, capacity_bytes=res.est.capacity_bytes,
+                      wall_s=time.monotonic() - t0, run_dir=run_dir, log=log)
     return outcomes(study)
+
+
+def record_result(study, trial, s: dict[str, Any], *, capacity_bytes: float, wall_s: float, run_dir: Path,
+                  log=print) -> None:
+    """Store one trial's summary on the Optuna trial and finish it (value = measured tokens/s)."""
+    from optuna.trial import TrialState
+
+    status = s.get("status", "error")
+    trial.set_user_attr("status", status)
+    trial.set_user_attr("wall_s", round(wall_s, 2))
+    trial.set_user_attr("run_dir", str(run_dir))
+    if status == "ok":
+        for k in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "peak_memory_bytes_per_rank",
+                  "comm_s_per_step", "mfu"):
+            if s.get(k) is not None:
+                trial.set_user_attr(k, s[k])
+        _set_constraint(trial, float((s.get("peak_memory_bytes") or 0) - capacity_bytes) / capacity_bytes)
+        study.tell(trial, float(s["tokens_per_s"]))
+        log(f"[trials]   ok: {s['tokens_per_s']:,.1f} tok/s measured, step {s['step_time_s']:.3f} s, "
+            f"peak {(s.get('peak_memory_bytes') or 0) / 2 ** 30:.3f} GiB")
+    elif status == "pruned":
+        _set_constraint(trial, 0.0)
+        study.tell(trial, state=TrialState.PRUNED)
+        log("[trials]   pruned (slower than the median of earlier trials)")
+    else:
+        trial.set_user_attr("reason", s.get("reason", ""))
+        _set_constraint(trial, 1.0)
+        study.tell(trial, 0.0)
+        log(f"[trials]   {status}: {s.get('reason', '')[:200]}")
 
 
 def outcomes(study) -> list[TrialOutcome]:
