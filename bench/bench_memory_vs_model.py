@@ -7,7 +7,10 @@ cost model's `cost_models.estimate.estimate` predicts the worst rank's peak
 for the same plan, model and workload.  Prints one row per plan and, last, the
 median and worst absolute percentage error.
 
-    python bench/bench_memory_vs_model.py [--seq-len 256] [--global-batch 8] [--max-procs 4]
+    python bench/bench_memory_vs_model.py [--seq-len 256] [--global-batch 8] [--max-procs 4] [--cache F.json]
+
+`--cache`: a JSON file of measured per-rank peaks keyed by plan; plans found there are not
+re-run (to compare cost-model changes against the same measurements), new ones are added.
 """
 from __future__ import annotations
 
@@ -70,14 +73,20 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--max-procs", type=int, default=4)
+    ap.add_argument("--cache", default=None, help="JSON file of measured peaks to reuse and extend")
     args = ap.parse_args()
+    cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
     mib = 2 ** 20
     errors = []
     print(f"{'plan':<40} {'measured MiB (max rank)':>24} {'predicted MiB':>14} {'error':>8}   predicted breakdown MiB")
     for plan in PLANS:
         if plan.world_size > args.max_procs or plan.global_batch() != args.global_batch:
             continue
-        peaks = measure(plan, args.model, args.seq_len, args.global_batch)
+        key = f"{args.model} s{args.seq_len} gb{args.global_batch} " + json.dumps(plan.to_dict(), sort_keys=True)
+        peaks = cache.get(key) or measure(plan, args.model, args.seq_len, args.global_batch)
+        if args.cache:
+            cache[key] = peaks
+            Path(args.cache).write_text(json.dumps(cache, indent=1))
         got = max(peaks)
         want, parts = predict(plan, args.model, args.seq_len, args.global_batch)
         err = (want - got) / got

@@ -156,14 +156,22 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
         norm_in = 2 * e * h                           # eager fp32: input and normalized output
     t[SEQ] = 2 * norm_in + 2 * drop * h               # two norms, two dropout masks
     t[col_in] += 2 * lin * h                          # QKV and FFN inputs
+    # GQA K/V expansion: the executor (CoreAttention, repeat_interleave) and TorchTitan (repeat_kv)
+    # expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
+    # K (after RoPE) and V are not saved (repeat's backward needs no input), so they are freed.
+    # Megatron's fused kernels take GQA K/V as they are.  (Measured with saved_tensors_hooks on
+    # llama3-debug: Q, K and V saved at n_heads * head_dim each.)
+    if dtensor and model.attention != "mla":
+        d_k = d_v = d_o
     t[SHARD] = e * (d_qk + d_k + d_v) + lin * d_o     # Q, K, V (RoPE applied) and out-proj input
     core_dropped = ac == "selective"                  # 'attention' policy
-    if fused:
-        if not core_dropped:
-            t[SHARD] += e * d_o + 4.0 * model.n_heads  # O and fp32 LSE kept by the SDPA kernel
-        if not compiled:
-            t[SHARD] += e * d_o                        # eager transpose().contiguous() copy of O
-    elif not core_dropped:
+    if fused and not core_dropped:
+        # fp32 LSE kept by the SDPA kernel, and its output O.  The flash kernels (CUDA and
+        # CPU) write O [b, s, heads, d]-contiguous and return it viewed as [b, heads, s, d], so
+        # `out.transpose(1, 2).reshape(b, s, -1)` is a view: O *is* the out-proj input (one
+        # storage, counted above) unless float8 saves a separate low-precision copy of it.
+        t[SHARD] += 4.0 * model.n_heads + (e * d_o if f8_fraction < 1.0 else 0.0)
+    elif not fused and not core_dropped:
         t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
 
     def ffn(width: float) -> float:
@@ -213,7 +221,77 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     e = 4.0 if workload.dtype == "fp32" else 2.0
     sp = table.tp if workload.sequence_parallel else 1
     grads = 2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp / sp
-    return kept, np.maximum(none - kept, 0.0) + grads
+    # the FFN's backward holds the gradients of two hidden-width tensors at once (e.g. of the
+    # SwiGLU product's factors) while freeing its own saved tensors; measured on llama3-debug
+    # (fsdp, mb 8): the peak sits in the last block's FFN backward, ~15 MiB over all blocks' saved
+    # tensors, vs 2 residual + 2 hidden gradients = 16 MiB.
+    width = model.moe_ffn_hidden * model.top_k if moe else model.ffn_hidden
+    ffn_grads = 2.0 * e * width * table.microbatch * workload.seq_len / table.cp / table.tp
+    # DTensor TP with sequence parallelism: the SP -> TP all-gather's flat output lives next to the
+    # cat that reorders it along the sequence dim, and in backward a row-parallel partial sum is
+    # held at full size for its reduce-scatter (measured on tp 2: 4 + 2 MiB of such buffers of a
+    # 2 MiB [tokens, dim] tensor at the peak): two full-size residual tensors on top.
+    tp_bufs = np.where((table.tp > 1) & (workload.state_layout == "fsdp2") & workload.sequence_parallel,
+                       2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp, 0.0)
+    return kept, np.maximum(none - kept, 0.0) + grads + ffn_grads + tp_bufs
+
+
+def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str, np.ndarray]:
+    """Per-rank bytes of pipeline mechanics that do not scale like one block's activations.
+
+    Measured with the profiler's live allocations at the peak on llama3-debug (pp 2, CPU, torch 2.14):
+
+    * ``boundary``: each in-flight micro-batch keeps its stage output (the last block's residual
+      output, one [tokens, dim] tensor per stage chunk) in the stage's forward cache until its
+      backward, on top of what the blocks save.  For pp == 1 this tensor is the final norm's input,
+      counted by `head_activation_bytes`.
+    * ``sends``: the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble, DualPipeV run by torch's
+      PipelineScheduleMulti / _PipelineScheduleRuntime) keep every P2P send's work -- and with it
+      the sent activation or input gradient -- until the end of the step; a rank sends a forward
+      output from each non-last chunk and an input gradient from each non-first chunk: about
+      (2v - 1) * n_microbatches residual-width tensors live at the end of the step.
+    * ``deferred_w``: ZBVZeroBubble splits backward into I (input grad) and W (weight grad) and runs
+      W late; until then each pending (chunk, micro-batch) keeps the gradients of every matmul's
+      output (the dW = g^T x operands).  Their forward tensors are among the pp in-flight
+      micro-batches; at the peak of the rank holding the loss stage (pp 2, v 2: 2 micro-batches of
+      forward tensors and the output gradients of 1 chunk = 0.5 of the rank's layers) about
+      (pp - 1) / v micro-batches' worth of output gradients are pending.
+    """
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    tp = table.tp.astype(np.float64)
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    pp, v = table.pp.astype(np.float64), table.stages_per_rank.astype(np.float64)
+    resid = e * model.dim * tokens / sp
+    multi = (table.is_schedule("Interleaved1F1B") | table.is_schedule("ZBVZeroBubble")
+             | table.is_schedule("DualPipeV")) & (table.pp > 1)
+    piped = table.pp > 1
+    # torch.distributed.pipelining only (the fsdp2 layout); Megatron frees a sent output's data
+    # (deallocate_output_tensor) and waits its sends per micro-batch
+    torch_pp = workload.state_layout == "fsdp2"
+    boundary = np.where(piped & ~multi & torch_pp, v * resid, 0.0)
+    sends = np.where(multi & torch_pp, (2 * v - 1) * table.n_microbatches * resid, 0.0)
+    out_width = 0.0 * tp
+    for m in layer_matmuls(model, moe):
+        mult = model.top_k if m.expert else 1.0
+        out_width = out_width + mult * m.n / (tp if m.shard == COL else (1.0 if m.shard == ROW else 1.0))
+    zbv = table.is_schedule("ZBVZeroBubble") & piped
+    deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model) * e * out_width * tokens, 0.0)
+    return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w}
+
+
+def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
+    """Bytes the loss stage keeps per in-flight micro-batch for the final norm and the LM head's
+    input: the norm's input and normalized output (2 x the width when eager fp32, see
+    `layer_activation_terms`) and the head's (under DTensor TP all-gathered) input."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    tp = table.tp.astype(np.float64)
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    norm_in = np.where(compiled, e * h, (3 if workload.dtype == "bf16" else 2) * e * h)
+    head_in = e * h / (1.0 if workload.state_layout == "fsdp2" else sp)
+    return tokens * (norm_in / sp + head_in)
 
 
 # --------------------------------------------------------------------------- parameters per rank
@@ -281,6 +359,17 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
     infl_first, infl_last = in_flight_microbatches(table)
     tokens = table.microbatch * workload.seq_len / table.cp
     logits_one = tokens * model.vocab_size / table.tp * LOGIT_BYTES
+    # On the loss stage with pp > 1 the pipeline keeps every in-flight micro-batch's stage output
+    # (the logits, e bytes each) for the stage backward, and the loss its fp32 log-softmax output;
+    # one micro-batch's logit gradients (8 bytes) join them at the turn.  GPipe keeps all
+    # n_microbatches (measured: 16 x (logits + log-softmax) on the last stage, the first stage
+    # lower by that); the other schedules run the loss stage's backward right after its forward.
+    head_infl = np.where((table.pp > 1) & table.is_schedule("GPipe"), table.n_microbatches, 1.0)
+    logit_kept = 4.0 + np.where(table.pp > 1, e, 0.0)
+    logits_head = tokens * model.vocab_size / table.tp * (head_infl * logit_kept + LOGIT_BYTES - 4.0)
+    head_act = head_activation_bytes(table, model, workload, table.compile)
+    logits_turn = tokens * model.vocab_size / table.tp * (logit_kept + LOGIT_BYTES - 4.0)
+    pipe = pipeline_extra_bytes(table, model, workload)
 
     results = {}
     for which, infl in (("first", infl_first), ("last", infl_last)):
@@ -298,6 +387,12 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
             v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
             keep = accumulate_unsharded | ~table.reshard_after_forward | v_sched
             gathered = np.where(keep, e * local, 2.0 * e * unit)
+            # Pipelined FSDP (1F1B, GPipe, Interleaved1F1B): the schedule reshards between micro-
+            # batches and re-gathers each block in every backward, with the next block prefetched;
+            # each gather holds its flat all-gather output next to the unsharded copy-out
+            # (measured, fsdp2 x pp2 1F1B on gloo: 4 x 3 MiB of a 3 MiB block at the peak).
+            regather = accumulate_unsharded & ~v_sched & table.reshard_after_forward & (fsdp_group > 1)
+            gathered = np.where(regather, np.maximum(gathered, 4.0 * e * unit), gathered)
             # The reduce-scatter buffers of a block exist in backward while that block's saved
             # activations are being freed, so only their excess over one layer's activations
             # raises the peak (which sits at the forward/backward turn).
@@ -315,9 +410,29 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
             fsdp = np.zeros(n)
         nd, nm = layer_mix(table, model, which == "first")
         per_mb = nd * dense_act + nm * moe_act
-        acts = (infl * per_mb + working_set) * coeffs.activation_memory_scale
-        logits = np.where(rp[f"{which}_has_head"], logits_one, 0.0)
+        has_head = rp[f"{which}_has_head"]
+        per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
+        # Two peak candidates after the last forward: the loss turn (final norm, head input and the
+        # logit tensors of the current micro-batch) and, once those are freed, a block's backward
+        # (`working_set`); the older in-flight micro-batches' head tensors persist in both.
+        turn = np.where(has_head, head_act + logits_turn, 0.0)
+        # On GPU the caching allocator keeps the segments freed by one phase reserved (sized for the
+        # logits, not for a block's tensors), so the reserved peak holds both: there they add up.
+        transient = working_set + turn if caching_allocator else np.maximum(working_set, turn)
+        acts = (infl * per_mb + working_set + pipe["deferred_w"]
+                + np.where(has_head, (head_infl - 1) * head_act, 0.0)) * coeffs.activation_memory_scale + pipe["sends"]
+        logits = np.where(has_head, logits_head - logits_turn, 0.0) + (transient - working_set)
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp)
+        # With one backward pass over the step's activations (pp == 1 with one micro-batch, or
+        # GPipe: all forwards first) the activation peak comes at the forward/backward turn, before
+        # any gradient exists; gradients and the activations then never coexist in full (measured:
+        # the baseline plus the activations reproduce those peaks, no gradient bytes live at them),
+        # so the peak is the larger of the two phases over the shared parameters and optimizer state.
+        # (CPU only: the caching allocator's reserved memory keeps the activation phase's segments,
+        # so on GPU the gradients add to it, as the TorchTitan references in bench/validate_reference.py show.)
+        one_pass = ((table.pp == 1) & (table.n_microbatches == 1)) | ((table.pp > 1) & table.is_schedule("GPipe"))
+        one_pass = one_pass & (not caching_allocator)
+        grads = np.where(one_pass, np.maximum(0.0, grads - (acts + logits + fsdp)), grads)
         results[which] = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, logits=logits,
                               fsdp_buffers=fsdp, overhead=overhead + np.zeros(n))
     tot = {w: sum(results[w].values()) for w in results}

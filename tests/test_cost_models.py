@@ -155,6 +155,75 @@ def test_in_flight_microbatches_by_schedule():
     assert last[0] == 1 and last[1] == 16 and last[5] == 1
 
 
+def _cpu_debug(*plans, **wl):
+    m, hw = load_model("llama3-debug"), load_hardware("cpu")
+    w = Workload(seq_len=256, global_batch=plans[0].global_batch(), dtype="fp32", **wl)
+    return estimate(table(*plans), m, hw, w), m, w
+
+
+def test_block_activations_match_saved_tensors_of_the_executor_model():
+    """llama3-debug, fp32 eager, mb 8 x 256 tokens: torch.autograd.graph.saved_tensors_hooks on
+    executor/models/llama.py count 44 MiB + the 64 KiB LSE per block: the GQA K and V saved at
+    n_heads width (repeat_interleave before SDPA), no extra copy of the attention output."""
+    m = load_model("llama3-debug")
+    wl = Workload(seq_len=256, global_batch=8, dtype="fp32")
+    kept, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, wl, Coefficients(), moe=False)
+    assert kept[0] == pytest.approx(44 * 2 ** 20 + 8 * 2048 * 4, rel=1e-12)
+    # Megatron's kernels take GQA K/V un-expanded: 2 x 1 MiB less
+    meg, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, Workload(seq_len=256, global_batch=8,
+                                        dtype="fp32", state_layout="megatron"), Coefficients(), moe=False)
+    assert kept[0] - meg[0] == pytest.approx(2 * 2 ** 20, rel=1e-12)
+
+
+def test_gpipe_keeps_the_logits_of_all_microbatches_on_the_loss_stage():
+    lg = [_cpu_debug(Plan(pp=2, microbatch=1, n_microbatches=n, schedule=s))[0].memory["logits"][0]
+          for s in ("GPipe", "1F1B") for n in (8, 16)]
+    per_mb = 256 * 512 * (4 + 4)            # the stage output (fp32 logits) and the fp32 log-softmax
+    assert lg[1] - lg[0] == pytest.approx(8 * per_mb, rel=1e-9)
+    assert lg[2] == lg[3]                   # 1F1B: one micro-batch on the loss stage (the worst rank is the first)
+
+
+def test_multi_stage_schedules_keep_send_buffers_until_the_step_ends():
+    # Interleaved1F1B's activations grow with n_microbatches past the in-flight cap (P2P sends are
+    # waited at the end of the step); 1F1B's do not
+    a = {(s, n): _cpu_debug(Plan(pp=2, microbatch=1, n_microbatches=n, schedule=s,
+                                 stages_per_rank=2 if s != "1F1B" else 1))[0].memory["activations"][0]
+         for s in ("Interleaved1F1B", "1F1B") for n in (8, 16)}
+    resid = 256 * 256 * 4
+    assert a[("Interleaved1F1B", 16)] - a[("Interleaved1F1B", 8)] == pytest.approx(3 * 8 * resid, rel=1e-9)
+    assert a[("1F1B", 16)] == a[("1F1B", 8)]
+
+
+def test_zero_bubble_v_keeps_output_gradients_for_deferred_weight_grads():
+    from cost_models.memory import pipeline_extra_bytes
+    m = load_model("llama3-debug")
+    wl = Workload(seq_len=256, global_batch=16, dtype="fp32")
+    t = table(Plan(pp=2, microbatch=2, n_microbatches=8, schedule="ZBVZeroBubble", stages_per_rank=2),
+              Plan(pp=2, microbatch=2, n_microbatches=8, schedule="DualPipeV", stages_per_rank=2))
+    d = pipeline_extra_bytes(t, m, wl)["deferred_w"]
+    # 0.5 of the rank's 2 layers' matmul output gradients (wq, wk, wv, wo, w1, w3, w2 = 5 MiB per layer)
+    assert d[0] == pytest.approx(0.5 * 2 * 5 * 2 ** 20, rel=1e-9) and d[1] == 0
+
+
+def test_one_backward_pass_peaks_before_gradients_exist():
+    """pp == 1 with one micro-batch (or GPipe): the activation peak comes before any gradient, so
+    the peak is params + optimizer + max(grads, activation phase); with gradient accumulation the
+    gradients of earlier micro-batches are alive at the peak."""
+    e, _, _ = _cpu_debug(Plan(microbatch=8), Plan(microbatch=8, ac="full"), Plan(microbatch=4, n_microbatches=2))
+    assert e.memory["grads"][0] == 0 and e.memory["grads"][1] == 0
+    assert e.memory["grads"][2] == pytest.approx(4 * 3_410_176, rel=1e-6)   # 3.4 M params (+ norms), fp32
+    # measured (bench_memory_vs_model): single mb8 ac=full 107.4 MiB; the phase max predicts it within 3%
+    assert e.peak_memory_bytes[1] / 2 ** 20 == pytest.approx(107.4, rel=0.03)
+
+
+def test_pipelined_fsdp_regathers_blocks_every_microbatch():
+    e, _, _ = _cpu_debug(Plan(dp_shard=2, pp=2, microbatch=1, n_microbatches=16),
+                         Plan(dp_replicate=2, pp=2, microbatch=1, n_microbatches=16))
+    block = 786_432 * 4                     # one llama3-debug block, fp32
+    assert e.memory["fsdp_buffers"][0] >= 4 * block
+    assert e.memory["fsdp_buffers"][1] < 4 * block   # replicate-only FSDP: nothing to gather
+
+
 # --------------------------------------------------------------------------- step time
 def test_pipeline_bubble_fractions():
     """1F1B / interleaved bubbles are (p-1)/m (/v) of the busy time of a stage WITHOUT the LM head:
