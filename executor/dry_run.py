@@ -8,7 +8,10 @@ FSDP). For the ranks it inspects (by default the first rank of every
 pipeline stage, where memory differs) it reports the exact bytes of the
 parameters, gradients and AdamW states each rank holds, and -- with
 ``--memory`` -- a FakeTensor estimate of one training step's peak from
-torch's FSDP-aware memory tracker (activations, temporaries, FSDP buffers).
+torch's FSDP-aware memory tracker (activations, temporaries, FSDP buffers)
+for every layout, pipelined (the rank's torch schedule order replayed
+locally) and context-parallel ones included: see ``dry_run_step.py``.
+The compute dtype is ``train.dtype`` if set, else the workload's (default bf16).
 A layout the executor cannot apply fails here, before any cluster time is
 spent. The JSON it prints (``--json``) is what the planner reads.
 """
@@ -35,21 +38,28 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
+def _precision(cfg):
+    """bf16 compute with fp32 master weights (the accelerator target) unless the run or workload says fp32."""
+    from .parallel import Precision
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = cfg.resolved.get("workload", {}).get("dtype", "bf16")
+    return (Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
+            else Precision(param_dtype=torch.float32, reduce_dtype=torch.float32))
+
+
 def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .mesh import build_meshes
-    from .parallel import Precision, parallelize
+    from .parallel import parallelize
     from .models.llama import Transformer
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         plan = cfg.plan
         meshes = build_meshes(plan, "cpu")
-        # the target is an accelerator: bf16 compute with fp32 master weights, as titan-run uses there
-        dtype = cfg.resolved.get("workload", {}).get("dtype", "bf16")
-        precision = (Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
-                     else Precision(param_dtype=torch.float32, reduce_dtype=torch.float32))
+        precision = _precision(cfg)
         with torch.device("meta"):
             model = Transformer(cfg.spec)
         if plan.pp > 1:
@@ -76,45 +86,32 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
         }
         out["state_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]
         if memory:
-            if plan.pp > 1 or plan.cp > 1:
-                out["memory_estimate"] = None
-                out["memory_note"] = "FakeTensor step estimate covers pp == 1 and cp == 1 plans"
-            else:
-                out["memory_estimate"] = _fake_step_peak(stages[0][1], cfg, plan)
+            from .dry_run_step import fake_step_peak
+            est, modelled = fake_step_peak(stages, cfg, meshes, precision)
+            out["memory_estimate"] = est
+            out["memory_model"] = modelled
         return out
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
 
 
-def _fake_step_peak(module, cfg, plan) -> dict[str, float]:
-    """One forward/backward/AdamW step under FakeTensorMode with torch's FSDPMemTracker."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+def _forget_meshes() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches between inspected ranks.
 
-    from .parallel.tensor_parallel import cross_entropy, loss_parallel
+    Their keys compare meshes by shape and axis names, not by process group, so a cached result
+    from the previous rank's fake world would send the next rank's collectives to a destroyed
+    group (``RuntimeError: Could not resolve the process group registered under the name 15``).
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
-    import contextlib
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        module.to_empty(device="cpu")
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
-        local_seq = cfg.seq_len
-        x = torch.randint(0, cfg.spec.vocab_size, (plan.microbatch, local_seq))
-        y = torch.randint(0, cfg.spec.vocab_size, (plan.microbatch, local_seq))
-        tracker = FSDPMemTracker(module, opt)
-        tracker.track_inputs((x,))
-        ctx = loss_parallel if plan.tp > 1 else contextlib.nullcontext
-        with tracker:
-            for it in range(2):   # the second step has optimizer states: that is the steady peak
-                with ctx():
-                    loss = cross_entropy(module(x), y)
-                    loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if it == 0:
-                    tracker.reset_mod_stats()
-        snap = tracker.get_tracker_snapshot("peak")
-    dev = next(iter(snap))
-    return {(k.name if hasattr(k, "name") else str(k)).lower(): float(v) for k, v in snap[dev].items()}
+
+def _mib(v: float) -> str:
+    return f"{v / 2**20:,.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         for x in rows:
             line = (f"  rank {x['rank']:>6} stages {x['stages']}: params {x['params_bytes'] / 2**30:8.3f} GiB  "
                     f"grads {x['grads_bytes'] / 2**30:8.3f}  optimizer {x['optimizer_bytes'] / 2**30:8.3f}")
-            est = x.get("memory_estimate")
-            if est:
-                line += "  step peak (FakeTensor) " + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in est.items())
             print(line)
+            est, how = x.get("memory_estimate"), x.get("memory_model")
+            if est:
+                parts = ", ".join(f"{k} {_mib(v)}" for k, v in est.items() if k != "total" and v > 0)
+                print(f"    step peak (FakeTensor) {_mib(est['total'])} MiB: {parts}")
+                cm = how.get("in_flight_cost_model")
+                print(f"    modelled: {how['how']}; micro-batches {how['micro_batches']} x {how['microbatch']} "
+                      f"seq {how['local_seq']}, at most {how['in_flight_max']:g} in flight"
+                      + (f" (cost model {cm:g})" if cm is not None else ""))
     return 0
 
 
