@@ -55,7 +55,10 @@ def p2p_time(nbytes, bw, alpha):
 def all_to_all_time(p, nbytes, k, intra_bw, intra_alpha, inter_bw, inter_alpha):
     """All-to-all where each rank sends `nbytes` in total (1/p of it to each rank, itself included);
     k = group members on the rank's node (k >= p: all intra-node).  The on-node and off-node parts
-    proceed concurrently on their links; the slower one sets the time."""
+    proceed concurrently on their links; the slower one sets the time.  Uneven all-to-alls (MoE
+    dispatch/combine under router imbalance): pass the busiest rank's larger direction -- links are
+    full duplex, so the rank that receives (dispatch) or sends back (combine) ep_imbalance x the mean
+    sets the time, although it sends only the mean in dispatch (see `moe_traffic.py`)."""
     p = np.asarray(p, dtype=np.float64)
     k = np.minimum(np.asarray(k, dtype=np.float64), p)
     on = (k - 1) / p * nbytes / intra_bw + (k - 1) * intra_alpha

@@ -300,8 +300,6 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if plan.ep > 1 and spec.n_experts % plan.ep:
         raise ConfigError(f"plan key 'ep' ({plan.ep}) must divide the number of experts of model "
                           f"'{spec.name}' ({spec.n_experts})")
-    if spec.attention != "gqa":
-        raise ConfigError(f"model '{spec.name}': attention '{spec.attention}' is not supported (only gqa)")
     target = Target.of(spec, world_size=world_size, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
                        gpus_per_node=max(world_size, 1))
     problems = check_plan(plan, target, tp_within_node=False)

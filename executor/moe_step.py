@@ -1,15 +1,19 @@
 """The training loop's mixture-of-experts duties (called from ``train.py``; no-ops for dense models).
 
-* :func:`aux_loss_term` -- ``aux_loss_coef * mean over MoE layers of router.aux_loss``
-  (Switch-style load-balancing loss, Fedus et al. 2021 Eq. 4) on this rank's
-  micro-batch, as Megatron-LM does.  It is computed per rank over the rank's own
-  tokens, so the value (and its gradient) depends on the layout: a token's
-  share of ``f_i * P_i`` differs with how the batch is split.  Parity tests
-  therefore use a copy of the spec with ``aux_loss_coef: 0``.  Under tensor
-  parallel each tp rank's term covers its sequence chunk and the MoE gradients
-  are summed over tp, so the term is divided by tp (the mean over the chunks).
-  Under pipeline parallel the term is skipped (one warning line): the schedule
-  owns the loss and only the last stage has one.
+* :func:`set_aux_loss_scale` -- the auxiliary load-balancing loss
+  ``aux_loss_coef * mean over MoE layers of router.aux_loss`` (Switch-style,
+  Fedus et al. 2021 Eq. 4) trains through ``moe.AuxLossGrad`` (Megatron-LM's
+  ``MoEAuxLossAutoScaler``): each MoE layer's backward adds the gradient of
+  ``coef * aux_loss / n_moe_layers`` times the same scaling the main loss gets
+  -- ``1/n_microbatches`` under gradient accumulation (the pipeline schedule
+  divides all gradients by ``n_microbatches`` itself, ``scale_grads=True``) and
+  ``1/tp`` under tensor parallel (each tp rank's term covers its sequence
+  chunk and the MoE gradients are summed over tp: the mean over the chunks).
+  One code path for every layout, pipeline parallel included.  The term is
+  per rank's micro-batch, so its value (and gradient) depends on the layout:
+  a token's share of ``f_i * P_i`` differs with how the batch is split.
+  Parity tests therefore use a copy of the spec with ``aux_loss_coef: 0``, or
+  compare layouts that split the batch alike (pipeline parallel).
 * :func:`sum_moe_grads_over_tp` -- MoE layers are not TP-sharded: each tp rank
   runs router, routed and shared experts on its own sequence-parallel tokens,
   so after backward (and after FSDP's reduce-scatter) their gradients are
@@ -19,7 +23,8 @@
   router imbalance (max/mean tokens per expert, and per EP rank), all-to-all
   seconds (forward dispatch + combine, max over ranks) and bytes sent per rank
   (dispatch + combine, forward and backward; mean and max over the ranks that
-  hold MoE layers), and the mean auxiliary loss.
+  hold MoE layers), and the auxiliary-loss term (coef * mean over MoE layers and
+  micro-batches of the aux loss, mean over the data/context/tensor-parallel copies).
 * :func:`update_expert_bias` -- DeepSeek-V3's auxiliary-loss-free balancing
   (arXiv:2412.19437 Sec. 2.1.2): after each optimizer step
   ``expert_bias += gamma * sign(mean_load - load)`` with the loads of the whole
@@ -52,12 +57,16 @@ def moe_params(stages) -> list[nn.Parameter]:
 
 
 # --------------------------------------------------------------------------- loss
-def aux_loss_term(layers, spec) -> torch.Tensor | None:
-    """``aux_loss_coef * sum(router.aux_loss) / n_moe_layers`` of the last forward; None when off."""
+def set_aux_loss_scale(layers, spec, plan) -> float:
+    """Set every held MoE layer's aux-loss gradient scale; returns it (0.0 when the aux loss is off)."""
     coef = float(getattr(spec, "aux_loss_coef", 0.0) or 0.0)
-    if coef <= 0 or not layers:
-        return None
-    return coef * torch.stack([ff.router.aux_loss for _, ff in layers]).sum() / spec.n_moe_layers
+    scale = 0.0
+    if coef > 0 and spec.n_moe_layers:
+        accumulation = 1 if plan.pp > 1 else plan.n_microbatches   # the schedule scales PP grads itself
+        scale = coef / spec.n_moe_layers / (accumulation * plan.tp)
+    for _, ff in layers:
+        ff.aux_loss_grad_scale = scale
+    return scale
 
 
 # --------------------------------------------------------------------------- gradients
@@ -78,16 +87,25 @@ def sum_moe_grads_over_tp(params: list[nn.Parameter], tp_mesh) -> None:
 
 
 # --------------------------------------------------------------------------- per-step figures
-def collect_step_stats(layers, spec, device, ep: int, aux_sum: float) -> dict:
-    """Everyone's figures of the step just taken (two small all-reduces over the world); resets counters."""
+def collect_step_stats(layers, spec, device, ep: int, copies: int, forwards: int | None = None) -> dict:
+    """Everyone's figures of the step just taken (two small all-reduces over the world); resets counters.
+
+    ``copies``: how many ranks hold each MoE layer (dp * cp * tp): the aux-loss term is summed over
+    all ranks (pipeline ranks hold different layers) and divided by it.  ``forwards``: the step's
+    forwards per layer (n_microbatches); only the last that many recorded forwards count (a
+    pipeline stage's first step also runs shape-inference forwards on uninitialized buffers).
+    """
     n_layers, n_exp = spec.n_layers, spec.n_experts
     counts = torch.zeros(n_layers, n_exp, dtype=torch.float64, device=device)
     a2a_s, a2a_bytes = 0.0, 0.0
+    coef = float(getattr(spec, "aux_loss_coef", 0.0) or 0.0)
+    aux_sum = 0.0
     for lid, ff in layers:
-        c = ff.router.step_tokens_per_expert
-        if c is not None:
-            counts[lid] = c.to(torch.float64)
-        ff.router.step_tokens_per_expert = None
+        hist = ff.router.step_history[-forwards:] if forwards else ff.router.step_history
+        ff.router.step_history = []
+        if hist:
+            counts[lid] = torch.stack([c for c, _ in hist]).sum(0).to(torch.float64)
+            aux_sum += coef * float(torch.stack([a for _, a in hist]).mean()) / max(spec.n_moe_layers, 1)
         experts = ff.experts
         if hasattr(experts, "step_all_to_all_s"):
             a2a_s += experts.step_all_to_all_s
@@ -115,7 +133,7 @@ def collect_step_stats(layers, spec, device, ep: int, aux_sum: float) -> dict:
         "all_to_all_s": float(maxes[0]),
         "all_to_all_bytes": bytes_sum / holders,                 # mean over ranks holding MoE layers
         "all_to_all_bytes_max": float(maxes[1]),
-        "aux_loss_term": aux_total / holders,                   # coef * mean aux loss, mean over ranks
+        "aux_loss_term": aux_total / max(copies, 1),            # coef * mean aux loss, mean over copies
         "_counts": counts,
     }
 

@@ -17,6 +17,8 @@ this module from outside.  The contract they rely on:
 * Head counts are read from tensor shapes, so column-sharded projections
   (tensor parallel) work unchanged.
 * No buffers: RoPE tables are computed from ``positions`` on the fly.
+* ``attention: mla`` specs get `mla.MLAttention` (DeepSeek multi-head latent
+  attention) as ``block.attention``; RoPE tables then cover qk_rope_head_dim.
 * Mixture-of-experts specs get `moe.MoEFeedForward` as ``block.feed_forward``
   in the layers after the first ``n_dense_layers`` (``block.moe_enabled``).
 * ``init_rule(fqn)`` gives each parameter's initialization; the executor's
@@ -108,7 +110,11 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(spec)
-        self.attention = Attention(spec)
+        if spec.attention == "mla":
+            from .mla import MLAttention  # noqa: PLC0415
+            self.attention = MLAttention(spec)
+        else:
+            self.attention = Attention(spec)
         self.ffn_norm = make_norm(spec)
         self.moe_enabled = spec.is_moe and layer_id >= spec.n_dense_layers
         if self.moe_enabled:
@@ -125,10 +131,12 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        if spec.attention != "gqa":
+        if spec.attention not in ("gqa", "mla"):
             raise ValueError(f"model '{spec.name}': attention '{spec.attention}' is not supported by the "
-                             "executor's Transformer yet (only 'gqa')")
+                             "executor's Transformer (gqa | mla)")
         self.spec = spec
+        # RoPE width: the whole head (GQA) or only the decoupled rotary part (MLA)
+        self.rope_dim = spec.qk_rope_head_dim if spec.attention == "mla" else spec.head_dim
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, spec) for i in range(spec.n_layers)})
         self.norm = make_norm(spec)
@@ -138,7 +146,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta,
+        cos, sin = rope_cos_sin(positions, self.rope_dim, self.spec.rope_theta,
                                 h.dtype if h.is_floating_point() else torch.float32)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

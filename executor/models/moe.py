@@ -5,7 +5,15 @@
   that only affects the choice — DeepSeek-V3, arXiv:2412.19437 Sec. 2.1.2);
   the gate weights are the chosen scores, optionally renormalized and scaled.
   The switch-style auxiliary load-balancing loss ``E * sum_i f_i * P_i``
-  (Fedus et al. 2021, Eq. 4) is kept in ``router.aux_loss`` for the loop.
+  (Fedus et al. 2021, Eq. 4) is kept in ``router.aux_loss``; each forward's
+  counts and aux loss are appended to ``router.step_history`` for the logs.
+* `AuxLossGrad`: how the auxiliary loss trains, as Megatron-LM's
+  ``MoEAuxLossAutoScaler`` does: the identity on the MoE layer's output in
+  forward; in backward it also hands ``aux_loss`` the gradient
+  ``aux_loss_grad_scale`` (the loop sets ``coef / n_moe_layers`` and its
+  micro-batch / tp scaling on each `MoEFeedForward`; 0 = off).  So the aux loss
+  never passes through the loss function, which is what makes it work under
+  pipeline parallel (the schedule owns the loss and only the last stage has one).
 * `GroupedExperts`: the routed experts' SwiGLU weights stored as grouped
   tensors ``w1, w3: [E, dim, hidden]``, ``w2: [E, hidden, dim]``, applied to
   tokens sorted by expert with one grouped matmul (``torch._grouped_mm`` on
@@ -40,9 +48,11 @@ class Router(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(spec.n_experts), requires_grad=False) if self.use_bias else None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
-        # summed over the forwards since the training loop last reset it (None); forwards
-        # recomputed by activation checkpointing inside backward are not counted twice
-        self.step_tokens_per_expert: torch.Tensor | None = None
+        # (tokens per expert, aux loss) of each forward since the training loop last cleared it;
+        # forwards recomputed by activation checkpointing inside backward are not recorded twice
+        # (the loop reads the last n_microbatches entries: torch's pipeline stages run extra
+        # shape-inference forwards, on uninitialized buffers, in their first step)
+        self.step_history: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [tokens, dim] -> (weights [tokens, k], expert ids [tokens, k])."""
@@ -56,14 +66,28 @@ class Router(nn.Module):
         w = w * self.route_scale
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
         self.tokens_per_expert = counts.detach()
-        if not in_backward():
-            prev = self.step_tokens_per_expert
-            self.step_tokens_per_expert = self.tokens_per_expert if prev is None else prev + self.tokens_per_expert
         # Switch-Transformer load-balancing loss: E * sum_i f_i * P_i
         f = counts.to(scores.dtype) / idx.numel()
         p = (scores / scores.sum(-1, keepdim=True)).mean(0)
         self.aux_loss = self.n_experts * (f.detach() * p).sum()
+        if not in_backward():
+            self.step_history.append((self.tokens_per_expert, self.aux_loss.detach()))
         return w.to(x.dtype), idx
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on `out`; backward also gives `aux_loss` the gradient `scale` (d(scale*aux)/d aux)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad_out, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 def in_backward() -> bool:
@@ -128,10 +152,26 @@ class MoEFeedForward(nn.Module):
         self.experts = GroupedExperts(spec.n_experts, spec.dim, spec.moe_ffn_hidden)
         self.shared_experts = (FeedForward(spec.dim, spec.moe_ffn_hidden * spec.n_shared_experts)
                                if spec.n_shared_experts else None)
+        # gradient scale of the auxiliary loss (set by the training loop, moe_step.set_aux_loss_scale)
+        self.aux_loss_grad_scale = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        out = self.routed(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)
+
+    @torch.compiler.disable
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """Router -> sort by expert -> experts -> weighted combine (+ the aux-loss gradient hook).
+
+        Kept out of torch.compile regions: its shapes depend on the routing (tokens per
+        expert), and the expert-parallel all-to-all needs the split sizes on the host, so a
+        compiled block would graph-break here and recompile for new counts every step
+        (measured: moe-debug FSDPxEP 2 with per-block compile, 7 s/step vs 0.2 s eager).
+        """
         weights, idx = self.router(x)                           # [T, k]
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)                # sort (token, slot) pairs by expert
@@ -140,6 +180,6 @@ class MoEFeedForward(nn.Module):
         routed = self.experts(x[token_of], counts)              # [T*k, dim], sorted by expert
         routed = routed * weights.flatten()[order].unsqueeze(-1)
         out = torch.zeros_like(x).index_add_(0, token_of, routed.to(x.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.reshape(shape)
+        if self.aux_loss_grad_scale > 0 and torch.is_grad_enabled() and self.router.aux_loss.requires_grad:
+            out = AuxLossGrad.apply(out, self.router.aux_loss, self.aux_loss_grad_scale)
+        return out

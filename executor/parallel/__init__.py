@@ -13,7 +13,7 @@
   shards those over ``efsdp`` (their own ``fully_shard``, gradient divide
   factor = all data-parallel ranks, see ``fsdp.py``).  Under TP the MoE layers
   are not TP-sharded: they run on the sequence-parallel local tokens and their
-  gradients are summed over tp after backward (``moe_grads.py``).
+  gradients are summed over tp after backward (``moe_step.py``).
 * AC wraps each block; compile compiles the (wrapped) block; FSDP goes last
   so its hooks stay outside the compiled region.
 

@@ -29,6 +29,9 @@ dV.  dQ accumulates locally; K/V circulate again, and the dK/dV accumulators
 at rank ``src+i`` after step ``i``, and the last hop brings the complete
 gradient back to its owner.
 
+MLA (value width != query/key width): the ring and the ``math`` kernel take
+any widths; the flash kernels get zero-padded copies (``_pad_heads``, exact).
+
 GQA: k/v keep their ``kv_heads`` on the wire (less traffic); kernels that
 need equal head counts get a ``repeat_interleave`` copy and their dK/dV are
 summed back over the ``n_heads/kv_heads`` group.
@@ -75,6 +78,19 @@ class _BlockKernel:
         if rep == 1:
             return k, v
         return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+    @staticmethod
+    def _pad_heads(q, k, v, *vlike):
+        """Zero-pad q/k and v (and `vlike`: dout, out) to one head width, for flash kernels that need
+        equal q/k/v widths (MLA: v_head_dim != qk_nope + qk_rope).  Exact: zero q/k columns leave
+        the scores unchanged (the scale is explicit), zero v columns give zero output columns that
+        are cut off again; in backward, rowsum(dout * out) is unchanged."""
+        dqk, dv = q.shape[-1], v.shape[-1]
+        if dqk == dv:
+            return (q, k, v, *vlike)
+        d = max(dqk, dv)
+        pad = lambda t: torch.nn.functional.pad(t, (0, d - t.shape[-1])) if t.shape[-1] < d else t  # noqa: E731
+        return (pad(q), pad(k), pad(v), *(pad(t) for t in vlike))
 
     @staticmethod
     def _reduce(dk: torch.Tensor, dv: torch.Tensor, rep: int):
@@ -131,18 +147,22 @@ class _CpuFlashKernel(_BlockKernel):
     def fwd(self, q, k, v, causal):
         rep = q.shape[1] // k.shape[1]
         k, v = self._expand(k, v, rep)
+        dv = v.shape[-1]
+        q, k, v = self._pad_heads(q, k, v)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=self.scale)
-        return out, lse, None
+        return out[..., :dv], lse, None
 
     def bwd(self, dout, q, k, v, out, lse, causal, aux):
         rep = q.shape[1] // k.shape[1]
         k, v = self._expand(k, v, rep)
+        dqk, dvw = q.shape[-1], v.shape[-1]
+        q, k, v, dout, out = self._pad_heads(q, k, v, dout, out)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal,
             scale=self.scale)
-        dk, dv = self._reduce(dk, dv, rep)
-        return dq, dk, dv
+        dk, dv = self._reduce(dk[..., :dqk], dv[..., :dvw], rep)
+        return dq[..., :dqk], dk, dv
 
 
 class _CudaFlashKernel(_BlockKernel):
@@ -153,20 +173,24 @@ class _CudaFlashKernel(_BlockKernel):
     def fwd(self, q, k, v, causal):
         rep = q.shape[1] // k.shape[1]
         k, v = self._expand(k, v, rep)
+        dv = v.shape[-1]
+        q, k, v = self._pad_heads(q, k, v)
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=self.scale)
         out, lse = res[0], res[1]
         # cum_seq_q, cum_seq_k, max_q, max_k, philox seed/offset (rng_state, unused)
-        return out, lse, tuple(res[2:8])
+        return out[..., :dv], lse, tuple(res[2:8])
 
     def bwd(self, dout, q, k, v, out, lse, causal, aux):
         rep = q.shape[1] // k.shape[1]
         k, v = self._expand(k, v, rep)
+        dqk, dvw = q.shape[-1], v.shape[-1]
+        q, k, v, dout, out = self._pad_heads(q, k, v, dout, out)
         cum_q, cum_k, _, _, seed, offset = aux
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k,
             q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=self.scale)
-        dk, dv = self._reduce(dk, dv, rep)
-        return dq, dk, dv
+        dk, dv = self._reduce(dk[..., :dqk], dv[..., :dvw], rep)
+        return dq[..., :dqk], dk, dv
 
 
 def choose_kernel(q: torch.Tensor, name: str | None = None) -> str:

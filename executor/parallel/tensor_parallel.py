@@ -17,8 +17,20 @@ Mixture-of-experts blocks (``block.moe_enabled``): only attention is
 TP-sharded.  The MoE layer is token-wise, so it runs on the sequence-parallel
 local tokens (``ffn_norm`` hands over a plain local tensor) with router,
 routed and shared experts replicated over tp -- no TP communication.  Each tp
-rank then holds gradients for different tokens: ``moe_grads.py`` sums them
+rank then holds gradients for different tokens: ``moe_step.py`` sums them
 over tp after backward.
+
+Multi-head latent attention (``attention: mla``, ``models/mla.py``) is sharded
+by heads: the up-projections ``wq`` / ``wq_b`` and ``wkv_b`` column-wise, ``wo``
+row-wise (sequence-parallel output as above).  The down-projections ``wq_a`` and
+``wkv_a`` and the latent norms ``q_norm`` / ``kv_norm`` are small and hold no
+head dimension: they are replicated (:class:`ReplicatedCompute`) and run on the
+full (all-gathered) sequence on every tp rank.  Their gradients are partial --
+each tp rank back-propagates through its own heads only -- so they are kept
+as ``Partial`` DTensor gradients (reduced by FSDP or the grad-norm clip like
+the sequence-parallel norms'), and the rotary key ``wkv_a`` produces (one
+plain tensor shared by the local heads) is handed to the model with a
+``Partial`` gradient placement.
 
 Head counts are read from shapes by the model, so local (column-sharded)
 projections need no model change.  Works on a pipeline stage: modules set to
@@ -30,10 +42,83 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+class _ReplicateWithPartialGrad(torch.autograd.Function):
+    """A plain tensor holding the same value on every tp rank -> ``Replicate`` DTensor, whose
+    gradient is handed back as this rank's ``Partial`` share (no all-reduce): the inverse of
+    ``DTensor.to_local(grad_placements=(Partial(),))``.  (``from_local(grad_placements=...)``
+    does this on torch >= 2.14 only.)"""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            if all(p.is_partial() for p in grad.placements):
+                grad = grad.to_local()
+            else:   # (seen under torch.compile) a replicated gradient: each rank's share is 1/tp of it
+                grad = grad.redistribute(placements=[Replicate()]).to_local() / grad.device_mesh.size()
+        return grad, None
+
+
+class ReplicatedCompute(ParallelStyle):
+    """Weights replicated over tp, computed on the full input on every tp rank (MLA's
+    down-projections and latent norms).
+
+    Input: a DTensor is redistributed to ``Replicate``; a plain tensor is taken as the
+    replicated value whose gradient is per-rank partial.  Output: the ``Replicate``
+    DTensor, or (``local_output=True``) the local tensor with a ``Partial`` gradient
+    placement, for model code that mixes it with head-sharded local tensors.
+    """
+
+    def __init__(self, *, local_output: bool = False):
+        self.local_output = local_output
+
+    @staticmethod
+    def _replicate_params(name, module, mesh):
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(
+                DTensor.from_local(param, mesh, [Replicate()], run_check=False), requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _input_fn(mod, inputs, mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            if any(not p.is_replicate() for p in x.placements):
+                x = x.redistribute(placements=[Replicate()])
+        else:
+            x = _ReplicateWithPartialGrad.apply(x, mesh)
+        return (x, *inputs[1:])
+
+    def _output_fn(self, mod, out, mesh):
+        return out.to_local(grad_placements=(Partial(),)) if self.local_output else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
+
+
+def attention_plan(attention: nn.Module) -> dict:
+    """TP plan entries (relative to the block) of the attention projections: GQA or MLA."""
+    if hasattr(attention, "wkv_a"):         # MLA (models/mla.py): shard by heads
+        plan = {"attention.wkv_a": ReplicatedCompute(local_output=True),   # latent + shared rotary key
+                "attention.kv_norm": ReplicatedCompute(),
+                "attention.wkv_b": ColwiseParallel()}
+        if getattr(attention, "q_lora_rank", 0):
+            plan.update({"attention.wq_a": ReplicatedCompute(), "attention.q_norm": ReplicatedCompute(),
+                         "attention.wq_b": ColwiseParallel()})
+        else:
+            plan["attention.wq"] = ColwiseParallel()
+        return plan
+    return {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel()}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = True,
@@ -60,9 +145,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = Tru
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                             desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            **attention_plan(block.attention),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
