@@ -111,7 +111,7 @@ def launcher_main(args, argv: list[str]) -> int:
         from .elastic import launcher_world
         cfg = load_config(args, launcher_world(args, nproc))
         if not args.self_test and cfg.train.resume:   # a missing / foreign checkpoint is bad input (exit 2)
-            from .checkpoint import check_resume
+            from .checkpoint_files import check_resume
             check_resume(cfg, run_dir)
     except (ConfigError, ValueError) as e:
         return fail(str(e))

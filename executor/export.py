@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import FORMAT, MARKER, META, CheckpointError, dcp_load, manifest, model_fingerprint, read_meta
+from .checkpoint_files import (FORMAT, MARKER, META, CheckpointError, dcp_load, manifest, model_fingerprint, problem,
+                               read_meta)
 
 _LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -111,7 +112,6 @@ def _plain_shapes(spec) -> dict[str, torch.Size]:
 
 def export_checkpoint(checkpoint: Path, out: Path) -> dict:
     from cost_models.specs import load_model
-    from .checkpoint import problem
     st = _safetensors()
     why = problem(checkpoint)
     if why is not None:

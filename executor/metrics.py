@@ -1,4 +1,4 @@
-"""Per-step measurements and where they are written.
+"""Per-step measurements (``metrics_writer.py`` writes the records).
 
 Communication time per mesh axis (:class:`CommTimer`)
     Method: while installed, the public collective entry points are wrapped
@@ -25,7 +25,8 @@ Peak memory per rank
     (this sees compiled code too, and storage resizes); peak = bytes of the
     training state alive at the step start (parameters, gradients, optimizer
     state) + the highest running total of bytes allocated minus freed during
-    the step.  Not process RSS.
+    the step (frees the profiler misses -- gloo frees collective temporaries on
+    its own thread -- are inferred from address reuse).  Not process RSS.
 
 MFU = tokens/s per device x ``cost_models.flops.flops_per_token`` / peak FLOP/s
 of the hardware spec (bf16 or fp32 peak, matching the compute dtype).
@@ -35,12 +36,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -263,11 +262,42 @@ def _peak_from_events(prof) -> int:
     while stack:
         ev = stack.pop()
         if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == "cpu":
-            allocs.append((ev.start_time_ns, ev.extra_fields.alloc_size))
+            allocs.append((ev.start_time_ns, ev.extra_fields.alloc_size, ev.extra_fields.ptr))
         stack.extend(ev.children)
-    allocs.sort()
+    return peak_of_allocations(allocs)
+
+
+def peak_of_allocations(allocs) -> int:
+    """Peak of the net allocated bytes over (time_ns, size, ptr) events (size < 0: a free).
+
+    Some frees are never recorded: gloo's collectives free their temporaries on gloo's
+    worker thread, which the profiler does not see. The allocator cannot hand out memory
+    that is still in use, so an allocation overlapping a block the events still count as
+    live proves that block was freed: it is dropped then. Frees of blocks allocated
+    before the recorded window lower the total as they come.
+    """
+    import bisect
+    allocs = sorted(allocs, key=lambda a: a[0])
+    starts: list[int] = []            # sorted start addresses of live blocks
+    size_of: dict[int, int] = {}
     cur = peak = 0
-    for _, size in allocs:
+    for _, size, ptr in allocs:
+        if size < 0:
+            if ptr in size_of:
+                cur -= size_of.pop(ptr)
+                del starts[bisect.bisect_left(starts, ptr)]
+            else:
+                cur += size               # allocated before the window
+            continue
+        # live blocks overlapping [ptr, ptr + size) were freed unseen
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and starts[i] + size_of[starts[i]] <= ptr:
+            i += 1
+        i = max(i, 0)
+        while i < len(starts) and starts[i] < ptr + max(size, 1):
+            cur -= size_of.pop(starts.pop(i))
+        bisect.insort(starts, ptr)
+        size_of[ptr] = size
         cur += size
         peak = max(peak, cur)
     return peak
@@ -307,66 +337,3 @@ def mfu(tokens_per_s_per_device: float, fpt: float | None, peak_flops: float | N
     if not fpt or not peak_flops:
         return None
     return tokens_per_s_per_device * fpt / peak_flops
-
-
-# --------------------------------------------------------------------------- writing
-class MetricsWriter:
-    """Rank 0 only: ``metrics.jsonl``, a console progress line, TensorBoard when available."""
-
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, tensorboard: bool):
-        self.enabled, self.total = enabled, total_steps
-        self.path = run_dir / "metrics.jsonl"
-        self._f = self.path.open("w") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(run_dir / "tb"))
-            except Exception:   # tensorboard not installed: JSONL only
-                self._tb = None
-
-    def write(self, rec: dict) -> None:
-        if not self.enabled:
-            return
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
-        if self._tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self._tb.add_scalar(k, v, rec["step"])
-            for axis, v in (rec.get("comm_s") or {}).items():
-                self._tb.add_scalar(f"comm_s/{axis}", v, rec["step"])
-            for k, v in (rec.get("moe") or {}).items():      # MoE routing / all-to-all figures
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(f"moe/{k}", v, rec["step"])
-        print(progress_line(rec, self.total), flush=True)
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _fmt_bytes(b) -> str:
-    return "-" if b is None else f"{b / 2**20:.0f}MiB" if b < 2**30 else f"{b / 2**30:.2f}GiB"
-
-
-def progress_line(rec: dict, total: int) -> str:
-    mfu_s = "-" if rec.get("mfu") is None else f"{100 * rec['mfu']:.1f}%"
-    comm = rec.get("comm_s") or {}
-    comm_s = " ".join(f"{k}={1000 * v:.0f}" for k, v in sorted(comm.items()) if v >= 5e-4)
-    return (f"step {rec['step']:>{len(str(total))}}/{total}  loss {rec['loss']:.4f}  gnorm {rec['grad_norm']:.3f}  "
-            f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s ({rec['tokens_per_s_per_device']:,.0f}/dev)  "
-            f"mfu {mfu_s}  step {1000 * rec['step_time_s']:.0f}ms  data {1000 * rec['data_time_s']:.0f}ms  "
-            f"mem {_fmt_bytes(rec.get('peak_memory_bytes_max'))}"
-            + (f"  comm ms[{comm_s}]" if comm_s else "") + _moe_part(rec.get("moe")))
-
-
-def _moe_part(moe: dict | None) -> str:
-    if not moe:
-        return ""
-    out = f"  moe imb {moe['router_imbalance']:.2f}"
-    if moe.get("all_to_all_bytes"):
-        out += f" a2a {1000 * moe['all_to_all_s']:.0f}ms {_fmt_bytes(moe['all_to_all_bytes'])}"
-    return out

@@ -38,10 +38,11 @@ from .config import RunConfig, dump_resolved
 from .data import PackedBatches, build_batches
 from .init import init_weights
 from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
-from .metrics import (CommTimer, CpuPeakMemory, MetricsWriter, all_gather_flat, flops_per_token,
-                      hardware_for_device, mfu, training_state_bytes)
+from .metrics import (CommTimer, CpuPeakMemory, all_gather_flat, flops_per_token, hardware_for_device, mfu,
+                      training_state_bytes)
+from .metrics_writer import MetricsWriter
 from .models.llama import Transformer
-from .moe_step import (aux_loss_term, collect_step_stats, moe_layers, moe_params, sum_moe_grads_over_tp,
+from .moe_step import (collect_step_stats, moe_layers, moe_params, set_aux_loss_scale, sum_moe_grads_over_tp,
                        update_expert_bias)
 from .parallel import Precision, parallelize, resolve_backend
 from .parallel.fsdp import spmd_batch, spmd_loss, spmd_typecheck
@@ -67,7 +68,6 @@ class Trainer:
     losses: list[float] = field(default_factory=list)
     moe: list = field(default_factory=list)              # [(layer id, MoEFeedForward)] held here
     moe_tp_params: list = field(default_factory=list)    # MoE params whose grads are summed over tp
-    moe_aux_sum: float = 0.0                             # this step's aux-loss term (local)
     moe_stats: dict | None = None                        # figures of the last step (moe_step.py)
 
 
@@ -162,9 +162,7 @@ def setup(cfg: RunConfig) -> Trainer:
     batches = build_batches(cfg, dp_rank=meshes.dp.get_local_rank(), dp_size=meshes.dp.size())
     comm = CommTimer(meshes.group_names())
     moe = moe_layers(stages)
-    if moe and cfg.plan.pp > 1 and cfg.spec.aux_loss_coef > 0 and dist.get_rank() == 0:
-        print("titan-run: warning: MoE auxiliary loss is skipped under pipeline parallel (the schedule owns "
-              "the loss); routing is still dropless", file=sys.stderr, flush=True)
+    set_aux_loss_scale(moe, cfg.spec, cfg.plan)   # the aux loss trains through each MoE layer's backward
     return Trainer(cfg=cfg, device=device, meshes=meshes, precision=precision, stages=stages, params=params,
                    optimizer=optimizer, scheduler=scheduler, batches=batches, runner=runner, backend=backend,
                    comm=comm, moe=moe, moe_tp_params=moe_params(stages) if cfg.plan.tp > 1 else [])
@@ -195,14 +193,8 @@ def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) ->
         with loss_context(tr.cfg), (spmd_typecheck() if spmd else contextlib.nullcontext()):
             if spmd:      # spmd_types backend: typed batch, loss declared a pending dp reduction
                 tok, lab = spmd_batch(tok, meshes.spmd_dp), spmd_batch(lab, meshes.spmd_dp)
-            loss = cross_entropy(model(tok, positions), lab) / n
-            aux = aux_loss_term(tr.moe, tr.cfg.spec)      # MoE load balancing (moe_step.py); None if off
-            if aux is not None:
-                aux = aux / (n * plan.tp)
-                tr.moe_aux_sum += float(aux.detach()) * plan.tp
-                torch.autograd.backward([loss, aux])
-            else:
-                (spmd_loss(loss, meshes.spmd_dp) if spmd else loss).backward()
+            loss = cross_entropy(model(tok, positions), lab) / n     # (+ MoE aux loss: moe.AuxLossGrad)
+            (spmd_loss(loss, meshes.spmd_dp) if spmd else loss).backward()
         total += loss_value(loss.detach()).float()
     return total
 
@@ -258,8 +250,9 @@ def train_step(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) -> tuple
     tr.scheduler.step()
     tr.optimizer.zero_grad(set_to_none=True)
     if tr.cfg.spec.is_moe:    # routed-token counts (all ranks), expert-bias update
-        tr.moe_stats = collect_step_stats(tr.moe, tr.cfg.spec, tr.device, tr.cfg.plan.ep, tr.moe_aux_sum)
-        tr.moe_aux_sum = 0.0
+        plan = tr.cfg.plan
+        tr.moe_stats = collect_step_stats(tr.moe, tr.cfg.spec, tr.device, plan.ep, plan.dp * plan.cp * plan.tp,
+                                          forwards=plan.n_microbatches)
         if tr.cfg.spec.load_balance_bias:
             update_expert_bias(tr.moe, tr.moe_stats["_counts"], tr.cfg.train.expert_bias_gamma)
     return global_mean_loss(tr, local_loss), grad_norm
@@ -296,14 +289,14 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
         peak_flops = 1e12 * (hw.peak_tflops_bf16 if tr.precision.param_dtype == torch.bfloat16
                              else hw.peak_tflops_fp32)
     fpt = flops_per_token(cfg.spec, cfg.seq_len)
-    writer = MetricsWriter(run_dir, enabled=rank == 0, total_steps=cfg.train.steps,
-                           tensorboard=cfg.train.tensorboard)
     records = []
     ckpt = Checkpointer(tr, run_dir)        # executor/checkpoint.py: saves, resume, elastic restarts
     start = ckpt.resume()                    # 0, or the step of the loaded checkpoint
     if start >= cfg.train.steps:
         raise ValueError(f"the checkpoint is at step {start}, train.steps is {cfg.train.steps}: nothing to train "
                          "(raise --steps)")
+    writer = MetricsWriter(run_dir, enabled=rank == 0, total_steps=cfg.train.steps,   # keeps lines <= start
+                           tensorboard=cfg.train.tensorboard, resume_step=start)
     tr.comm.install()
     try:
         fault = os.environ.get("TITAN_RUN_FAULT")      # test hook "rank:step": that rank raises there

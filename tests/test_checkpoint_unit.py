@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor import checkpoint as ck
+from executor import checkpoint_files as ck
 from executor.config import ConfigError
 from executor.elastic import nnodes_range, replan
 from search_spaces.plan import Plan
@@ -190,3 +190,31 @@ def test_train_keys_are_validated():
     with pytest.raises(ConfigError, match="async_checkpoint"):
         TrainConfig(async_checkpoint="yes")
     assert sys.version_info >= (3, 10)
+
+
+def test_metrics_after_a_resume_keep_earlier_steps_and_drop_rerun_ones(tmp_path):
+    from executor.metrics_writer import MetricsWriter
+
+    def rec(step):
+        return {"step": step, "loss": 1.0 / step, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0,
+                "tokens_per_s_per_device": 1.0, "step_time_s": 0.1, "data_time_s": 0.0}
+
+    def steps():
+        return [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    w = MetricsWriter(tmp_path, enabled=True, total_steps=8, tensorboard=False)
+    for s in range(1, 7):
+        w.write(rec(s))
+    w.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')                        # torn line of a process killed mid-write
+    w = MetricsWriter(tmp_path, enabled=True, total_steps=8, tensorboard=False, resume_step=4)
+    assert steps() == [1, 2, 3, 4]                         # steps 5, 6 are trained again; the torn line goes
+    for s in range(5, 9):
+        w.write(rec(s))
+    w.close()
+    assert steps() == list(range(1, 9))
+    assert all("time" in json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    MetricsWriter(tmp_path, enabled=True, total_steps=8, tensorboard=False).close()     # a fresh run: starts over
+    assert steps() == []
+    MetricsWriter(tmp_path / "elsewhere", enabled=False, total_steps=8, tensorboard=False, resume_step=3).close()

@@ -45,6 +45,10 @@ def titan_run(tmp: Path, name: str, plan: Plan, *, train: dict | None = None, ar
     return p, run_dir, rec
 
 
+def metrics_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def close(got: list[float], want: list[float], rtol: float) -> None:
     assert len(got) == len(want), (got, want)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -89,20 +93,48 @@ def test_sigkill_one_rank_elastic_restart_resumes_from_latest(base2):
     first = 2 * ((step - 1) // 2) + 1   # resumed after the newest checkpoint saved before the kill (every 2 steps)
     assert rec["first_step"] == first, (step, rec)
     close(rec["losses"], want[first - 1:], 1e-6)           # the final loss equals the uninterrupted run's
+    assert metrics_steps(run_dir) == list(range(1, STEPS + 1))     # kept up to the checkpoint, appended after
 
 
-def test_save_killed_midway_leaves_the_previous_checkpoint(base2):
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_save_killed_midway_leaves_the_previous_checkpoint(base2, use_async):
+    """Killed after every shard of step 4 was written, before COMPLETE (async: the writer process kills its
+    trainer there, while training went on): step-000004 never becomes visible, step-000002 is loaded."""
     tmp, _, want = base2
-    p, run_dir, _ = titan_run(tmp, "killsave", FSDP2, train={"checkpoint_every": 2}, expect_ok=False,
+    train = {"checkpoint_every": 2, "async_checkpoint": use_async}
+    name = f"killsave-{'async' if use_async else 'sync'}"
+    p, run_dir, _ = titan_run(tmp, name, FSDP2, train=train, expect_ok=False,
                               extra_env={"TITAN_RUN_KILL": "0:4:save"})
     assert p.returncode != 0
     ck = run_dir / "checkpoints"
     assert (ck / "step-000004.tmp").is_dir() and not (ck / "step-000004").exists()
     assert any(f.suffix == ".distcp" for f in (ck / "step-000004.tmp").iterdir())      # killed after the shards
-    _, _, rec = titan_run(tmp, "killsave", FSDP2, train={"checkpoint_every": 2}, args=("--resume", "latest"))
+    assert not (ck / "step-000004.tmp" / "COMPLETE").exists() and (ck / "step-000002" / "COMPLETE").is_file()
+    _, _, rec = titan_run(tmp, name, FSDP2, train=train, args=("--resume", "latest"))
     assert rec["first_step"] == 3
     close(rec["losses"], want[2:], 1e-6)
     assert not (ck / "step-000004.tmp").exists() and (ck / "step-000005").is_dir()
+    assert metrics_steps(run_dir) == list(range(1, STEPS + 1))
+
+
+def test_async_saves_are_exact_and_a_later_one_resumes_in_the_same_run_dir(base2):
+    """Async saves (background writer process, shared staging buffers reused from save to save) do not
+    change training, and the checkpoint of step 4 -- the second one written from the same buffers --
+    holds step 4's state: resuming from it in the same run dir continues the loss curve exactly and
+    leaves metrics.jsonl with every step once."""
+    tmp, _, want = base2
+    train = {"checkpoint_every": 2, "async_checkpoint": True, "keep_checkpoints": 0}
+    _, run_dir, rec = titan_run(tmp, "async", FSDP2, train=train)
+    close(rec["losses"], want, 1e-6)
+    ck = run_dir / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step-000002", "step-000004", "step-000005"]
+    events = [json.loads(line) for line in (run_dir / "checkpoint_events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "save_done"] == [2, 4, 5]
+    assert all(e["async"] for e in events if e["event"] == "save")
+    _, _, rec = titan_run(tmp, "async", FSDP2, train=train, args=("--resume", str(ck / "step-000004")))
+    assert rec["first_step"] == 5
+    close(rec["losses"], want[4:], 1e-6)
+    assert metrics_steps(run_dir) == list(range(1, STEPS + 1))
 
 
 def test_corrupted_latest_checkpoints_are_skipped_with_a_warning(base2):
