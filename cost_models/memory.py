@@ -54,7 +54,10 @@ def in_flight_microbatches(table) -> tuple[np.ndarray, np.ndarray]:
       (Korthikanti Sec. 4.2.3, after Narayanan Sec. 2.2.2); the last rank runs (v-1)*pp + 1
       warm-up chunks = ((v-1)*pp + 1)/v rank-micro-batches;
     * ZBVZeroBubble: pp -- ZB-V keeps 1F1B's peak (Qi et al. 2024, arXiv:2401.10241, Sec. 6);
-    * DualPipeV: pp + 1 (DeepSeek-V3 report, arXiv:2412.19437, Table 2, "Activation").
+    * DualPipeV: pp + 1/2 in torch's DualPipeV (the actions of each rank in torch 2.14's
+      ``pipeline_order``, replayed by ``titan-run --dry-run --memory``: at most 2.5 rank-micro-batches
+      in flight at pp 2 and 4.5 at pp 4 -- half a rank's layers less than the pp + 1 of the
+      DeepSeek-V3 report, arXiv:2412.19437, Table 2, "Activation").
     """
     pp = table.pp.astype(np.float64)
     v = table.stages_per_rank.astype(np.float64)
@@ -72,7 +75,7 @@ def in_flight_microbatches(table) -> tuple[np.ndarray, np.ndarray]:
     z = s == SCHEDULES.index("ZBVZeroBubble")
     first[z] = last[z] = np.minimum(pp[z], nmb[z])
     d = s == SCHEDULES.index("DualPipeV")
-    first[d] = last[d] = np.minimum(pp[d] + 1, nmb[d])
+    first[d] = last[d] = np.minimum(pp[d] + 0.5, nmb[d])
     single = table.pp == 1
     first[single], last[single] = 1.0, 1.0
     return first, last

@@ -30,7 +30,7 @@ from .rank import PlanningError
 # (name, lower, upper) -- bounds keep the fit physical
 TIME_PARAMS = (("gemm_efficiency_scale", 0.05, 4.0), ("attention_efficiency_scale", 0.05, 4.0),
                ("memory_bound_efficiency_scale", 0.05, 4.0), ("intra_bw_scale", 0.02, 20.0),
-               ("intra_latency_scale", 0.05, 50.0), ("dp_overlap", 0.0, 1.0),
+               ("intra_latency_scale", 0.05, 50.0), ("dp_overlap", 0.0, 1.0), ("cp_overlap", 0.0, 1.0),
                ("step_overhead_s", 0.0, 10.0), ("microbatch_overhead_s", 0.0, 1.0))
 MEMORY_PARAMS = (("activation_memory_scale", 0.2, 5.0), ("memory_overhead_bytes", 0.0, 64 * 2 ** 30))
 

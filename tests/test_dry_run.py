@@ -64,6 +64,7 @@ PEAK_TOLERANCE = 0.25
     (Plan(pp=2, dp_shard=2, n_microbatches=4, schedule="1F1B", microbatch=2), 16, False),
     (Plan(pp=2, dp_shard=2, n_microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2, microbatch=2), 16, True),
     (Plan(pp=2, cp=2, n_microbatches=4, schedule="GPipe", microbatch=2), 8, False),
+    (Plan(pp=2, dp_shard=2, n_microbatches=4, schedule="DualPipeV", stages_per_rank=2, microbatch=2), 16, True),
     (Plan(cp=2, dp_shard=2, microbatch=2, n_microbatches=2), 8, False),
 ])
 def test_dry_run_step_peak_pp_cp(tmp_path, plan, gb, schedule_split):
