@@ -105,6 +105,9 @@ def _plain_shapes(spec) -> dict[str, torch.Size]:
     if spec.is_moe:
         raise CheckpointError(f"model '{spec.name}' is a mixture-of-experts model: safetensors export/import "
                               "covers dense Llama models only")
+    if spec.attention != "gqa":
+        raise CheckpointError(f"model '{spec.name}' uses {spec.attention} attention: safetensors export/import "
+                              "covers Llama (GQA) attention only")
     with torch.device("meta"):
         model = Transformer(spec)
     return {n: p.shape for n, p in model.named_parameters()}
