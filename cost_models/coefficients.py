@@ -56,6 +56,8 @@ class Coefficients:
     #   allocator, applied to activations, logits and FSDP buffers (peaks are compared with
     #   torch.cuda.max_memory_reserved, which TorchTitan reports)
     activation_memory_scale: float = 1.0
+    pipeline_buffer_memory_scale: float = 1.0  # multiplies the P2P send buffers the multi-stage pipeline
+    #   schedules keep until the end of the step (memory.pipeline_extra_bytes 'sends')
     memory_scale: float = 1.0      # multiplies the whole modelled per-rank peak (the excess is shown as
     #   overhead); calibration sets it so that every measured trial lies at or under its prediction
     float8_saved_input_fraction: float = 1.0  # bytes of a saved linear input under float8 relative to

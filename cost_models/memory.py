@@ -422,8 +422,9 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
         # On GPU the caching allocator keeps the segments freed by one phase reserved (sized for the
         # logits, not for a block's tensors), so the reserved peak holds both: there they add up.
         transient = working_set + turn if caching_allocator else np.maximum(working_set, turn)
-        acts = (infl * per_mb + working_set + pipe["deferred_w"]
-                + np.where(has_head, (head_infl - 1) * head_act, 0.0)) * coeffs.activation_memory_scale + pipe["sends"]
+        acts = ((infl * per_mb + working_set + pipe["deferred_w"]
+                + np.where(has_head, (head_infl - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
+                + pipe["sends"] * coeffs.pipeline_buffer_memory_scale)
         logits = np.where(has_head, logits_head - logits_turn, 0.0) + (transient - working_set)
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp)
         # With one backward pass over the step's activations (pp == 1 with one micro-batch, or

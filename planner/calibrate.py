@@ -32,7 +32,8 @@ TIME_PARAMS = (("gemm_efficiency_scale", 0.05, 4.0), ("attention_efficiency_scal
                ("memory_bound_efficiency_scale", 0.05, 4.0), ("intra_bw_scale", 0.02, 20.0),
                ("intra_latency_scale", 0.05, 50.0), ("dp_overlap", 0.0, 1.0), ("cp_overlap", 0.0, 1.0),
                ("step_overhead_s", 0.0, 10.0), ("microbatch_overhead_s", 0.0, 1.0))
-MEMORY_PARAMS = (("activation_memory_scale", 0.2, 5.0), ("memory_overhead_bytes", 0.0, 64 * 2 ** 30))
+MEMORY_PARAMS = (("activation_memory_scale", 0.2, 5.0), ("memory_overhead_bytes", 0.0, 64 * 2 ** 30),
+                 ("pipeline_buffer_memory_scale", 0.05, 5.0))
 
 
 @dataclass
@@ -126,19 +127,20 @@ def fit(m: Measurements, idx: np.ndarray, base: Coefficients | None = None) -> C
 def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficients:
     """Memory coefficients: shape first, then the promise.
 
-    `MEMORY_PARAMS` are fitted to log(measured / predicted), which makes the ratios of
-    all trials as equal as the model allows; then `memory_scale` multiplies the whole
-    prediction by the largest remaining ratio, so every measured peak is at or under
-    its prediction while the spread (the band) is kept -- an additive overhead raised
-    to cover the worst trial would push small plans far below their predictions.
+    `MEMORY_PARAMS` are fitted to log(measured / predicted) -- robust least squares,
+    then refined to the smallest spread max - min of those log-ratios (the band is what
+    the promise costs); then `memory_scale` multiplies the whole prediction by the
+    largest remaining ratio, so every measured peak is at or under its prediction while
+    the spread is kept -- an additive overhead raised to cover the worst trial would
+    push small plans far below their predictions.
     """
-    from scipy.optimize import least_squares
+    from scipy.optimize import least_squares, minimize
 
     mn = [p[0] for p in MEMORY_PARAMS]
     lo_m = np.array([p[1] for p in MEMORY_PARAMS])
     hi_m = np.array([p[2] for p in MEMORY_PARAMS])
     meas_m = m.peak_memory_bytes[idx]
-    scale = np.array([1.0, float(np.median(meas_m))])   # make both unknowns O(1)
+    scale = np.array([1.0, float(np.median(meas_m)), 1.0])   # make the unknowns O(1)
     c = dataclasses.replace(c, memory_scale=1.0)
 
     def res_m(z):
@@ -146,7 +148,16 @@ def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficient
         return np.log(meas_m / mem)
 
     z0 = np.clip([getattr(c, n) for n in mn], lo_m, hi_m) / scale
-    z = least_squares(res_m, z0, bounds=(lo_m / scale, hi_m / scale), loss="soft_l1", f_scale=0.02).x
+    lo_z, hi_z = lo_m / scale, hi_m / scale
+    z = least_squares(res_m, z0, bounds=(lo_z, hi_z), loss="soft_l1", f_scale=0.02).x
+
+    def spread(zz):
+        lr = res_m(np.clip(zz, lo_z, hi_z))
+        return float(lr.max() - lr.min())
+
+    zs = minimize(spread, z, method="Nelder-Mead", options={"xatol": 1e-4, "fatol": 1e-6, "maxiter": 2000}).x
+    if spread(zs) < spread(z):
+        z = np.clip(zs, lo_z, hi_z)
     c = _with(c, mn, z * scale)
     _, mem = predict(m, c, idx)
     worst = float(np.max(meas_m / mem))     # the promise: predicted >= measured for every trial
