@@ -225,7 +225,10 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
         rs_pass = (rs + nblocks * np.maximum(0.0, rs + ar - ov * st["blockBW"])
                    + np.maximum(0.0, rs_h - ov * st["head_BW"]))
         ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])
-        rsf = table.reshard_after_forward.astype(np.float64)
+        # the V schedules run with resharding off: the executor keeps their parameters gathered
+        # (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; executor/parallel/pipeline.py)
+        v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
+        rsf = (table.reshard_after_forward & ~v_sched).astype(np.float64)
         dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass + rsf * ag_b_pass),
                       fwd_pass + rs_pass + rsf * nmb * ag_b_pass)
         dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
