@@ -231,11 +231,11 @@ class Bench:
             rows = run_trials(res, plan_inputs=self.inputs, settings=st, space_knobs=dict(self.space.knobs),
                               log=lambda msg: print(msg, flush=True))
         first_within = None
-        for o in sorted(rows, key=lambda o: o.number):
+        for n_run, o in enumerate(sorted(rows, key=lambda o: o.number), start=1):   # real runs only
             tps = o.tokens_per_s if o.status == "ok" else None
             swept = ok.get(plan_key(o.plan))
             if tps and tps >= 0.95 * best_tps or (swept and swept["tokens_per_s"] >= 0.95 * best_tps):
-                first_within = o.number + 1
+                first_within = n_run
                 break
         print(f"[prove] Optuna: {len(rows)} trials run; first within 5% of the best at trial "
               f"{first_within if first_within else 'never'} (budget {n_opt} = 1/3 of {len(plans)})", flush=True)
