@@ -80,8 +80,10 @@ def test_mla_forward_flops_match_cost_model(q_lora_rank):
 
 def test_mla_is_causal_and_uses_positions():
     from executor.models.llama import Transformer
+    from executor.init import init_weights
     torch.manual_seed(0)
     model = Transformer(load_model(MODEL))
+    init_weights(model, model.init_rule, seed=0, device=torch.device("cpu"))   # not torch.empty's garbage
     tok = torch.randint(0, 512, (1, 16))
     tok2 = tok.clone()
     tok2[0, 10:] = (tok2[0, 10:] + 1) % 512
