@@ -58,22 +58,28 @@ _TOP_INV = {v: k for k, v in _TOP.items()}
 _LAYER_INV = {v: k for k, v in _LAYER.items()}
 
 
+def _rename(name: str, top: dict, layer: dict, src: str, dst: str) -> str | None:
+    """`name` through the top-level table, or layer `src`N.key -> `dst`N.layer[key]; None if unknown."""
+    if name in top:
+        return top[name]
+    m = re.match(rf"^{re.escape(src)}(\d+)\.(.+)$", name)
+    if not m or m.group(2) not in layer:
+        return None
+    return f"{dst}{m.group(1)}.{layer[m.group(2)]}"
+
+
 def hf_name(fqn: str) -> str:
-    if fqn in _TOP:
-        return _TOP[fqn]
-    m = re.match(r"^layers\.(\d+)\.(.+)$", fqn)
-    if not m or m.group(2) not in _LAYER:
+    out = _rename(fqn, _TOP, _LAYER, "layers.", "model.layers.")
+    if out is None:
         raise ValueError(f"parameter '{fqn}' has no Hugging Face Llama name (dense Llama models only)")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return out
 
 
 def our_name(name: str) -> str:
-    if name in _TOP_INV:
-        return _TOP_INV[name]
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
-    if not m or m.group(2) not in _LAYER_INV:
+    out = _rename(name, _TOP_INV, _LAYER_INV, "model.layers.", "layers.")
+    if out is None:
         raise ValueError(f"tensor '{name}' is not a Hugging Face Llama parameter name")
-    return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}"
+    return out
 
 
 def to_hf_rope(w: torch.Tensor, head_dim: int) -> torch.Tensor:
