@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -79,18 +80,14 @@ def heavy_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def plan_key(p: Plan) -> str:
-    d = p.to_dict()
-    return json.dumps({k: d[k] for k in sorted(d)}, sort_keys=True)
-
-
 class Bench:
     def __init__(self, args):
         self.args = args
         self.out = Path(args.out).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.model = load_model(args.model)
-        self.hw = load_hardware(args.hardware)
+        # one host runs all `world` processes (as titan-plan takes a CPU host by default)
+        self.hw = dataclasses.replace(load_hardware(args.hardware), gpus_per_node=args.world)
         self.wl = Workload(seq_len=args.seq_len, global_batch=args.global_batch or 8 * args.world, dtype="fp32")
         self.space = space_from_dict(SPACE)
         self.storage = f"sqlite:///{self.out / 'trials.db'}"
@@ -107,7 +104,7 @@ class Bench:
                                gpus_per_node=self.args.world, coeffs=coeffs)
 
     # ---------------------------------------------------------------- measuring
-    def measure(self, study_name: str, plans: list[Plan], label: str, passes: int = 1) -> dict[str, dict]:
+    def measure(self, study_name: str, plans: list[Plan], label: str, passes: int = 1) -> dict[Plan, dict]:
         """Run each plan `passes` times (even passes in reverse order) as trials stored in `study_name`;
         runs already there are not repeated. Returns per plan: median step time and tokens/s over the
         passes, the largest peak memory, and the status (ok only if every pass was ok)."""
@@ -115,20 +112,19 @@ class Bench:
         st = self.settings(study_name)
         study = open_study(st, {k: self.inputs[k] for k in ("model", "hardware", "gpus", "seq_len",
                                                             "global_batch", "dtype")})
-        runs: dict[tuple[str, int], dict] = {}
+        runs: dict[tuple[Plan, int], dict] = {}
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if "plan" in t.user_attrs:
-                key = (plan_key(Plan.from_dict(t.user_attrs["plan"])), int(t.user_attrs.get("pass", 1)))
+                key = (Plan.from_dict(t.user_attrs["plan"]), int(t.user_attrs.get("pass", 1)))
                 runs[key] = dict(t.user_attrs)
-        cap = self.rank().est.capacity_bytes
         for pass_no in range(1, passes + 1):
             order = plans if pass_no % 2 else plans[::-1]
             for n, p in enumerate(order):
-                k = plan_key(p)
-                if (k, pass_no) in runs:
+                if (p, pass_no) in runs:
                     continue
                 trial = study.ask()
-                pred = report.predicted(estimate(CandidateTable.from_plans([p]), self.model, self.hw, self.wl), 0)
+                est = estimate(CandidateTable.from_plans([p]), self.model, self.hw, self.wl)
+                pred = report.predicted(est, 0)
                 run_dir = self.out / "runs" / study_name / f"trial{trial.number:04d}"
                 plan_file = run_dir / "plan.yaml"
                 write_plan_file(plan_file, {"model": self.args.model, "hardware": self.args.hardware,
@@ -141,19 +137,18 @@ class Bench:
                 with heavy_lock():
                     t0 = time.monotonic()
                     s = run_one(launch_command(st, plan_file, run_dir, self.args.world), run_dir, st.timeout_s)
-                record_result(study, trial, s, capacity_bytes=cap, wall_s=time.monotonic() - t0,
+                record_result(study, trial, s, capacity_bytes=est.capacity_bytes, wall_s=time.monotonic() - t0,
                               run_dir=run_dir, log=lambda m: print(m, flush=True))
-                runs[(k, pass_no)] = dict(study.trials[trial.number].user_attrs)
-        out: dict[str, dict] = {}
+                runs[(p, pass_no)] = dict(study.trials[trial.number].user_attrs)
+        out: dict[Plan, dict] = {}
         for p in plans:
-            k = plan_key(p)
-            got = [runs[(k, i)] for i in range(1, passes + 1) if (k, i) in runs]
+            got = [runs[(p, i)] for i in range(1, passes + 1) if (p, i) in runs]
             ok = [g for g in got if g.get("status") == "ok"]
             if len(ok) < len(got) or not ok:
                 bad = next(g for g in got if g.get("status") != "ok")
-                out[k] = {"status": bad.get("status"), "reason": bad.get("reason", "")}
+                out[p] = {"status": bad.get("status"), "reason": bad.get("reason", "")}
                 continue
-            out[k] = {"status": "ok", "plan": p.to_dict(), "passes": len(ok),
+            out[p] = {"status": "ok", "plan": p.to_dict(), "passes": len(ok),
                       "step_time_s": statistics.median(g["step_time_s"] for g in ok),
                       "tokens_per_s": statistics.median(g["tokens_per_s"] for g in ok),
                       "peak_memory_bytes": max(g.get("peak_memory_bytes") or 0 for g in ok) or None,
@@ -194,9 +189,10 @@ class Bench:
         failed = {k: v for k, v in sweep.items() if v.get("status") != "ok"}
         for k, v in failed.items():
             print(f"[prove] trial failed ({v.get('status')}): {v.get('reason', '')[:200]}")
-        best_key = max(ok, key=lambda k: ok[k]["tokens_per_s"])
-        best_tps = ok[best_key]["tokens_per_s"]
-        print(f"[prove] measured best: {describe(best_key)} {best_tps:,.0f} tok/s", flush=True)
+        best = max(ok, key=lambda p: ok[p]["tokens_per_s"])
+        best_tps = ok[best]["tokens_per_s"]
+        print(f"[prove] measured best: {report.layout_str(best)} {report.knobs_str(best)} {best_tps:,.0f} tok/s",
+              flush=True)
 
         # -- calibration on the sweep
         m = cal.load_measurements(self.storage, sweep_name, self.args.hardware)
@@ -218,7 +214,7 @@ class Bench:
         res_c = self.rank(coeffs)
         pick = res_c.table.plan(res_c.best())
         extra_name = f"prove-{self.model.name}-w{a.world}-extra"
-        pick_meas = ok.get(plan_key(pick)) or self.measure(extra_name, [pick], "pick")[plan_key(pick)]
+        pick_meas = ok.get(pick) or self.measure(extra_name, [pick], "pick")[pick]
         pick_ratio = pick_meas["tokens_per_s"] / best_tps
         print(f"[prove] calibrated pick: {report.layout_str(pick)} {report.knobs_str(pick)} "
               f"{pick_meas['tokens_per_s']:,.0f} tok/s = {pick_ratio:.3f} of the measured best", flush=True)
@@ -233,7 +229,7 @@ class Bench:
         first_within = None
         for n_run, o in enumerate(sorted(rows, key=lambda o: o.number), start=1):   # real runs only
             tps = o.tokens_per_s if o.status == "ok" else None
-            swept = ok.get(plan_key(o.plan))
+            swept = ok.get(o.plan)
             if tps and tps >= 0.95 * best_tps or (swept and swept["tokens_per_s"] >= 0.95 * best_tps):
                 first_within = n_run
                 break
@@ -245,9 +241,9 @@ class Bench:
         side = f"prove-{self.model.name}-w{a.world}-side"
         both = self.measure(side, [pick, rule], "side by side", passes=a.repeats)   # alternating order
         for p in (pick, rule):
-            if both[plan_key(p)]["status"] != "ok":
-                raise SystemExit(f"side-by-side run of {report.layout_str(p)} failed: {both[plan_key(p)]}")
-        pick_tps, rule_tps = both[plan_key(pick)]["tokens_per_s"], both[plan_key(rule)]["tokens_per_s"]
+            if both[p]["status"] != "ok":
+                raise SystemExit(f"side-by-side run of {report.layout_str(p)} failed: {both[p]}")
+        pick_tps, rule_tps = both[pick]["tokens_per_s"], both[rule]["tokens_per_s"]
         vs_rule = pick_tps / rule_tps
         print(f"[prove] side by side ({a.repeats} runs each): pick {report.layout_str(pick)} median "
               f"{pick_tps:,.0f} tok/s, rule of thumb {report.layout_str(rule)} "
@@ -278,11 +274,6 @@ class Bench:
               f"{band_loo.get('min_measured_over_predicted', float('nan')):.3f}"
               f"-{band_loo.get('max_measured_over_predicted', float('nan')):.3f} LOO (target 0.91-1.00)"
               + ("" if first <= n_opt else " [Optuna target missed]"))
-
-def describe(key: str) -> str:
-    p = Plan.from_dict(json.loads(key))
-    return f"{report.layout_str(p)} {report.knobs_str(p)}"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

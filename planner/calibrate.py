@@ -69,19 +69,17 @@ def load_measurements(storage: str, study_name: str | None, hardware: str | None
     ua = study.user_attrs
     # repeated runs of one plan count as one measurement (median step time, largest peak), so
     # leave-one-out never keeps a twin of the held-out plan in the fit
-    runs: dict[str, tuple[Plan, list[float], list[float]]] = {}
+    runs: dict[Plan, tuple[list[float], list[float]]] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
         if a.get("status") != "ok" or "duplicate_of" in a or not a.get("step_time_s"):
             continue
-        plan = Plan.from_dict(a["plan"])
-        key = repr(sorted(plan.to_dict().items()))
-        entry = runs.setdefault(key, (plan, [], []))
-        entry[1].append(float(a["step_time_s"]))
-        entry[2].append(float(a.get("peak_memory_bytes") or np.nan))
-    plans = [e[0] for e in runs.values()]
-    times = [float(np.median(e[1])) for e in runs.values()]
-    mems = [float(np.max(e[2])) for e in runs.values()]
+        t_runs, m_runs = runs.setdefault(Plan.from_dict(a["plan"]), ([], []))   # Plan is hashable
+        t_runs.append(float(a["step_time_s"]))
+        m_runs.append(float(a.get("peak_memory_bytes") or np.nan))
+    plans = list(runs)
+    times = [float(np.median(t)) for t, _ in runs.values()]
+    mems = [float(np.max(m)) for _, m in runs.values()]
     if len(plans) < 3:
         raise PlanningError(f"study '{study_name}' has {len(plans)} successful trials; calibration needs >= 3")
     wl = Workload(seq_len=int(ua["seq_len"]), global_batch=int(ua["global_batch"]), dtype=ua.get("dtype", "bf16"))

@@ -51,16 +51,21 @@ BAD = [
 ]
 
 
+def assert_one_line_error(p, message: str, run_dir: Path) -> None:
+    """titan-run refused the input: exit 2, one 'titan-run: error:' line naming `message`, nothing started."""
+    assert p.returncode == 2, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("titan-run: error:") and message in lines[0], lines[0]
+    assert not run_dir.exists()          # nothing started
+
+
 @pytest.mark.parametrize("plan,train,nproc,message", BAD, ids=["world", "tp-heads", "pp-layers", "plan-key",
                                                                "train-key", "ac-value", "batch"])
 def test_bad_plan_exits_2_with_one_line(tmp_path, plan, train, nproc, message):
     p = run(["--plan", write_plan(tmp_path, plan, train), "--nproc-per-node", str(nproc), "--run-dir",
              str(tmp_path / "run")], timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("titan-run: error:") and message in lines[0], lines[0]
-    assert not (tmp_path / "run").exists()          # nothing started
+    assert_one_line_error(p, message, tmp_path / "run")
 
 
 def test_bad_override_and_missing_file(tmp_path):

@@ -10,7 +10,7 @@ import yaml
 
 from cost_models.specs import load_model
 from tests.distributed.harness import DEFAULT_TRAIN
-from tests.test_executor_cli import run
+from tests.test_executor_cli import assert_one_line_error, run
 
 
 def write_plan(tmp_path: Path, plan: dict, model="moe-debug", seq_len=32, global_batch=4, train=None) -> str:
@@ -45,11 +45,7 @@ BAD = [
 def test_bad_moe_plan_exits_2_with_one_line(tmp_path, plan, model, nproc, gb, message):
     p = run(["--plan", write_plan(tmp_path, plan, model=model, global_batch=gb), "--nproc-per-node", str(nproc),
              "--run-dir", str(tmp_path / "run")], timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("titan-run: error:") and message in lines[0], lines[0]
-    assert not (tmp_path / "run").exists()          # nothing started
+    assert_one_line_error(p, message, tmp_path / "run")
 
 
 def test_top_k_above_experts_exits_2(tmp_path):
