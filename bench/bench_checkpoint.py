@@ -1,6 +1,6 @@
 """Checkpoint costs on CPU/gloo: async-save overlap and resume vs save time (llama3-debug).
 
-    python bench/bench_checkpoint.py [--world 4] [--steps 48] [--every 8] [--seq-len 256] [--skip-resume]
+    python bench/bench_checkpoint.py [--world 4] [--steps 48] [--every 8] [--runs 3] [--cpu-share F] [--skip-resume]
 
 1. One run with ``train.async_checkpoint``, a save every K steps (the final one excluded).
    A save's window runs from the moment the trainer starts it (between two steps) to the
@@ -9,7 +9,9 @@
    save (waiting for the previous one + staging the CPU copy) is added to the first of them.
    Per save: the mean of its overlapping steps; the ratio is the median of these over the
    saves divided by the median of the steps that overlap no save (same run; the first two
-   steps, warm-up, are left out of both).
+   steps, warm-up, are left out of both).  Also printed: the training time a save costs in all
+   (its overlapping steps' excess over a clean step, summed).  ``--runs`` such runs; the
+   headline ratio is their median.
 2. One run with synchronous saves: the save time (all of it blocking), then a resumed run:
    the load time (DCP load + set_state_dict + scheduler/data), both as measured in-process.
 Headline printed last.
@@ -83,25 +85,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--every", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3, help="async runs (the ratio printed last is their median)")
     ap.add_argument("--skip-resume", action="store_true", help="only the async overlap run")
+    ap.add_argument("--cpu-share", type=float, default=None,
+                    help="train.async_checkpoint_cpu_share (the writer's duty cycle; default: the executor's)")
     ap.add_argument("--checkpoint-dir", default="", help="where the async run writes (default: its run dir)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         tmp = Path(tmp)
         print(f"llama3-debug, world {a.world} (dp_shard {a.world}), seq {a.seq_len}, global batch {GLOBAL_BATCH}, "
               f"{a.steps} steps, checkpoint every {a.every}")
-        d = run(tmp, "async", a.world, a.steps, a.seq_len, {"checkpoint_every": a.every, "async_checkpoint": True,
-                                                             "checkpoint_dir": a.checkpoint_dir})
-        recs, events = read(d)
-        ratio, per_save, clean, details = overlap_ratio(recs, events, a.steps)
-        for x in details:
-            print(f"  save at step {x['step']:>3}: blocking {x['blocking_ms']:.0f} ms, overlaps {x['steps']} step(s), "
-                  f"background write {x['write_s']:.2f} s (rank-0 writer CPU {x['cpu_s']:.2f} s), mean overlapping step "
-                  f"{x['mean_ms']:.0f} ms")
-        print(f"async: step without a save {statistics.median(clean) * 1e3:.0f} ms (median of {len(clean)}); "
-              f"steps overlapping a save {statistics.median(per_save) * 1e3:.0f} ms (median over {len(per_save)} "
-              f"saves); ratio {ratio:.3f}")
-        head = f"HEADLINE: async save step-time ratio {ratio:.3f} (target <= 1.10; world {a.world}, llama3-debug)"
+        extra = {} if a.cpu_share is None else {"async_checkpoint_cpu_share": a.cpu_share}
+        ratios, losses = [], []
+        for i in range(a.runs):
+            d = run(tmp, f"async{i}", a.world, a.steps, a.seq_len, {"checkpoint_every": a.every,
+                                                                     "async_checkpoint": True,
+                                                                     "checkpoint_dir": a.checkpoint_dir, **extra})
+            recs, events = read(d)
+            ratio, per_save, clean, details = overlap_ratio(recs, events, a.steps)
+            for x in details:
+                print(f"    save at step {x['step']:>3}: blocking {x['blocking_ms']:.0f} ms, overlaps {x['steps']} "
+                      f"step(s), background write {x['write_s']:.2f} s (rank-0 writer CPU {x['cpu_s']:.2f} s), mean "
+                      f"overlapping step {x['mean_ms']:.0f} ms")
+            base = statistics.median(clean)
+            lost = statistics.median(x["steps"] * (x["mean_ms"] / 1e3 - base) for x in details)
+            print(f"    training time lost per save (the overlapping steps' excess over a clean step, summed; median "
+                  f"over saves): {lost * 1e3:.0f} ms = {lost / base:.2f} steps")
+            print(f"  async run {i + 1}: step without a save {base * 1e3:.0f} ms (median of {len(clean)}); steps "
+                  f"overlapping a save {statistics.median(per_save) * 1e3:.0f} ms (median over {len(per_save)} "
+                  f"saves); ratio {ratio:.3f}", flush=True)
+            ratios.append(ratio)
+            losses.append(lost / base)
+        ratio = statistics.median(ratios)
+        print(f"async: ratio per run {', '.join(f'{r:.3f}' for r in ratios)} -> median {ratio:.3f}; training time "
+              f"lost per save median {statistics.median(losses):.2f} steps")
+        head = (f"HEADLINE: async save step-time ratio {ratio:.3f} (median of {a.runs} runs; target <= 1.10; "
+                f"world {a.world}, llama3-debug)")
         if not a.skip_resume:
             d = run(tmp, "sync", a.world, a.steps, a.seq_len, {"checkpoint_every": a.every, "keep_checkpoints": 0})
             _, events = read(d)
@@ -113,7 +132,7 @@ def main() -> None:
             load_s = [e["seconds"] for e in events if e["event"] == "load"][0]
             print(f"sync save {save_s:.3f} s (mean of {a.steps // a.every}, {size / 1e6:.1f} MB on disk); "
                   f"resume (load) {load_s:.3f} s; resume/save {load_s / save_s:.2f}")
-            head = (f"HEADLINE: async save step-time ratio {ratio:.3f} (target <= 1.10); resume {load_s:.2f} s vs "
+            head = (f"HEADLINE: async save step-time ratio {ratio:.3f} (median of {a.runs} runs; target <= 1.10); resume {load_s:.2f} s vs "
                     f"save {save_s:.2f} s (world {a.world}, llama3-debug)")
         print(head)
 

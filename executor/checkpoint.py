@@ -221,6 +221,10 @@ class Checkpointer:
 
     # ---- save
     def after_step(self, step: int) -> None:
+        if self.writer is not None and not self.writer.prepared:
+            # the first step created the optimizer state: hand the writer its structure now, so that it
+            # rebuilds it while training continues instead of during (and delaying) the first save
+            self.writer.prepare(collect(self.tr)[0])
         if self.enabled and step % self.every == 0 and step != self.tr.cfg.train.steps:
             self.save(step)
 
@@ -249,7 +253,8 @@ class Checkpointer:
         kill = kill_due(self.rank, step, self.run_dir, "save")
         if self.writer is not None:
             self.writer.submit(state, {"tmp": str(tmp), "folder": str(self.folder), "step": step, "meta": meta,
-                                       "keep": self.keep, "started": t0, "kill": kill})
+                                       "keep": self.keep, "started": t0, "kill": kill,
+                                       "cpu_share": self.tr.cfg.train.async_checkpoint_cpu_share})
             self._pending = step
         else:
             import torch.distributed.checkpoint as dcp
@@ -272,6 +277,7 @@ class Checkpointer:
         self.events.append({"event": "save_done", "step": step, "wait_seconds": time.perf_counter() - t0,
                             "write_seconds": done.get("write_seconds"), "finished_at": done.get("finished_at"),
                             "writer_cpu_seconds": done.get("cpu_seconds"),
+                            "writer_paused_seconds": done.get("paused_seconds"),
                             "total_seconds": (done.get("checkpoint") or {}).get("seconds")})
 
     def close(self) -> None:

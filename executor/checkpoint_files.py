@@ -79,17 +79,25 @@ def step_name(step: int) -> str:
 
 
 # --------------------------------------------------------------------------- validation
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, pace=None) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+            if pace is not None:
+                pace()
     return h.hexdigest()
 
 
-def manifest(folder: Path) -> dict:
-    return {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(folder.iterdir())
-            if p.is_file() and p.name != MARKER}
+def manifest(folder: Path, names: list[str] | None = None, pace=None, known: dict | None = None) -> dict:
+    """{file: [size, sha256]} for the files `names` of `folder` (default: all but the marker); entries in
+    `known` (digests computed elsewhere, e.g. by the rank that wrote the file) are taken as they are.
+    `pace`: called between 1 MiB chunks (the background writer's duty cycle)."""
+    known = known or {}
+    if names is None:
+        names = [p.name for p in folder.iterdir() if p.is_file() and p.name != MARKER]
+    return {n: known[n] if n in known else [(folder / n).stat().st_size, _sha256(folder / n, pace)]
+            for n in sorted(names)}
 
 
 def problem(path: Path, *, hashes: bool = True) -> str | None:
@@ -187,14 +195,16 @@ def check_resume(cfg, run_dir: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- making one visible
-def finalize(folder: Path, step: int, tmp: Path, meta: dict, keep: int, started: float) -> dict:
+def finalize(folder: Path, step: int, tmp: Path, meta: dict, keep: int, started: float,
+             digests: dict | None = None) -> dict:
     """Rank 0, after every rank's shards and DCP's .metadata are in `tmp`: meta.json, COMPLETE, rename, prune.
 
+    `digests`: manifest entries already computed (each rank's own shard files); the rest are hashed here.
     Returns the line appended to ``checkpoints.jsonl``."""
     folder, tmp = Path(folder), Path(tmp)
     (tmp / META).write_text(json.dumps(meta, indent=1))
     marker = tmp / (MARKER + ".part")
-    marker.write_text(json.dumps({"files": manifest(tmp), "step": step}))
+    marker.write_text(json.dumps({"files": manifest(tmp, known=digests), "step": step}))
     os.replace(marker, tmp / MARKER)
     final = folder / step_name(step)
     if final.exists():

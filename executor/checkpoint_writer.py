@@ -4,11 +4,12 @@ Why a process and not ``dcp.async_save``'s writer thread: the thread shares the
 training process's GIL and cores, and DCP's save (planning, serialization, file
 writes) plus our sha256 manifest are mostly Python and CPU work.  Measured on
 2 cores, world 4, llama3-debug (bench/bench_checkpoint.py): steps overlapping a
-threaded save took 1.60x a step without one; with this writer 1.10-1.20x
-(world 2: 1.06-1.11x), with 5-15 ms of blocking staging per save.  On that box
-4 trainers already fill both cores, so the writers' CPU (about 0.08 s per save
-and rank) comes out of training whatever their priority; a writer that only
-slept instead of writing measured 1.03x.
+threaded save took 1.60x a step without one; with this writer, unthrottled,
+1.10-1.14x; paced to 10% of a core (:class:`_Pacer`, the default
+``train.async_checkpoint_cpu_share``) 1.06-1.09x, with 5-15 ms of blocking
+staging per save.  On that box 4 trainers already fill both cores, so the
+writers' CPU (about 0.05-0.1 s per save and rank) comes out of training
+whatever their priority; in total a save still costs about half a step there.
 
 How it works:
 
@@ -25,14 +26,19 @@ How it works:
   with training's.
 * Staging (:meth:`BackgroundWriter.submit`, blocking and cheap): every tensor of
   the state is copied into shared-memory CPU buffers -- one flat buffer per
-  dtype, allocated on the first save and reused.  The structure (DTensors with
+  dtype, allocated once and reused.  The structure (DTensors with
   their meshes and placements around views of the shared buffers) is sent to
   the writer once; later saves send only a small job.  On CUDA the copy goes
   GPU -> shared CPU memory (not pinned: pinned memory cannot be handed to
   another process without registering it).
-* The writer runs ``dcp.save`` on the buffers into ``step-N.tmp/`` and, on rank
-  0, :func:`~executor.checkpoint_files.finalize` (sha256 manifest, ``COMPLETE``,
-  rename, prune): a checkpoint becomes visible only after the background write
+* The structure is sent after the first training step (:meth:`BackgroundWriter.prepare`),
+  so the writer rebuilds it before the first save; the modules a save needs are
+  imported at start-up, at normal priority.
+* The writer runs ``dcp.save`` on the buffers into ``step-N.tmp/``, pausing
+  between items to keep its CPU share, digests its own shard files (sha256),
+  gathers the digests on rank 0, whose writer runs
+  :func:`~executor.checkpoint_files.finalize` (manifest, ``COMPLETE``, rename,
+  prune): a checkpoint becomes visible only after the background write
   finished on every rank (DCP's save returns on rank 0 after every rank's
   shards and the ``.metadata`` are written).  A crash mid-write leaves a
   ``step-N.tmp/`` without a marker; the previous checkpoint stays loadable.
@@ -43,6 +49,7 @@ How it works:
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import os
 import signal
@@ -55,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint_files import CheckpointError, finalize
+from .checkpoint_files import CheckpointError, finalize, manifest
 
 NICE = 19
 STARTUP_TIMEOUT_S = 900
@@ -162,25 +169,39 @@ class BackgroundWriter:
             raise CheckpointError(f"background checkpoint writer of rank {self.rank}, {doing}: {payload}")
         return payload
 
+    @property
+    def prepared(self) -> bool:
+        return self._signature is not None
+
+    def _stage_structure(self, tensors: list) -> None:
+        """Allocate the shared buffers for `tensors` and send their structure, unless already done for the
+        same structure (names, shapes, dtypes, placements)."""
+        sig = _signature(tensors)
+        if sig != self._signature:
+            self._staged, self._signature = _shared_buffers(tensors), sig
+            self._conn.send(("state", self._staged))
+
+    def prepare(self, state: dict) -> None:
+        """Send the structure of `state` ahead of the first save (no copy): the writer rebuilds it in the
+        background, so the first save is as cheap as the later ones."""
+        self.wait_ready()
+        self._stage_structure([(p, v) for p, v in _leaves(state) if isinstance(v, torch.Tensor)])
+
     def submit(self, state: dict, job: dict) -> None:
         """Stage `state` (blocking: a copy into shared memory) and hand the write of `job` to the writer.
 
-        `job`: tmp (the step-N.tmp folder), and for rank 0's finalize: folder, step, meta, keep, started;
-        kill (test hook: SIGKILL the trainer after the shards are written, before COMPLETE)."""
+        `job`: tmp (the step-N.tmp folder), cpu_share (the writer's duty cycle, see :class:`_Pacer`), and for
+        rank 0's finalize: folder, step, meta, keep, started; kill (test hook: SIGKILL the trainer after the
+        shards are written, before COMPLETE)."""
         assert not self._pending, "one save at a time: wait() for the pending one first"
         self.wait_ready()
         leaves = list(_leaves(state))
         tensors = [(p, v) for p, v in leaves if isinstance(v, torch.Tensor)]
         extras = [(p, v) for p, v in leaves if not isinstance(v, torch.Tensor)]
-        sig = _signature(tensors)
-        fresh = sig != self._signature
-        if fresh:
-            self._staged, self._signature = _shared_buffers(tensors), sig
+        self._stage_structure(tensors)
         with torch.no_grad():
             for (_, src), (_, dst, _) in zip(tensors, self._staged):
                 dst.copy_(_local(src))
-        if fresh:
-            self._conn.send(("state", self._staged))
         self._conn.send(("save", {**job, "extras": extras}))
         self._pending = True
 
@@ -246,24 +267,70 @@ def _lower_priority() -> None:
             pass
 
 
+class _Pacer:
+    """Keeps the writer's CPU use to a duty cycle: after every `slice_s` of CPU time (this thread's) it sleeps
+    so that its CPU time stays at most `share` of the wall time (1 = never sleeps).
+
+    Why: on a host whose cores the trainers fill, even SCHED_IDLE work slows training while it runs -- the
+    trainers have to preempt it every time they wake from a collective.  Measured with a SCHED_IDLE spinner
+    next to llama3-debug at world 4 on 2 cores: running all the time it got 35% of a core and made steps
+    10.5% slower; at a 25% duty cycle it got 9% of a core and steps were 0.6% slower.  So the same writer
+    work done in short slices with pauses costs training far less than done in one burst."""
+
+    def __init__(self, share: float, slice_s: float = 0.004):
+        self.share, self.slice_s = share, slice_s
+        self.slept = 0.0
+        self._mark = time.thread_time()
+
+    def __call__(self) -> None:
+        if self.share >= 1.0:
+            return
+        used = time.thread_time() - self._mark
+        if used >= self.slice_s:
+            pause = used * (1.0 - self.share) / self.share
+            time.sleep(pause)
+            self.slept += pause
+            self._mark = time.thread_time()
+
+
+def _paced_planner(pacer: _Pacer):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class PacedSavePlanner(DefaultSavePlanner):
+        """DCP's default planner (global plan cached: the writer saves the same structure every time) that
+        lets the pacer pause before each item is serialized (DCP resolves items one by one as it writes)."""
+
+        def resolve_data(self, write_item):
+            pacer()
+            return super().resolve_data(write_item)
+
+    return PacedSavePlanner(enable_plan_caching=True)
+
+
 def _write(state: dict, job: dict, rank: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     t0, c0 = time.perf_counter(), time.process_time()
+    pacer = _Pacer(job.get("cpu_share", 1.0))
     for path, value in job["extras"]:
         _put(state, path, value)
-    # plan caching: the writer saves the same structure every time, so the global plan is computed once
-    dcp.save(state, storage_writer=FileSystemWriter(job["tmp"]), planner=DefaultSavePlanner(enable_plan_caching=True))
+    dcp.save(state, storage_writer=FileSystemWriter(job["tmp"]), planner=_paced_planner(pacer))
     out = {"write_seconds": time.perf_counter() - t0}
     if job.get("kill"):
         sys.stderr.flush()
         os.kill(os.getppid(), signal.SIGKILL)
         os._exit(1)
+    # every rank digests the shard files it wrote (spread over the ranks instead of rank 0 reading them all)
+    tmp = Path(job["tmp"])
+    own = manifest(tmp, names=[p.name for p in tmp.glob(f"__{rank}_*.distcp")], pace=pacer)
+    digests = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(own, digests, dst=0)
     if rank == 0:
-        out["checkpoint"] = finalize(Path(job["folder"]), job["step"], Path(job["tmp"]), job["meta"], job["keep"],
-                                     job["started"])
+        known = {k: v for d in digests for k, v in d.items()}
+        out["checkpoint"] = finalize(Path(job["folder"]), job["step"], tmp, job["meta"], job["keep"],
+                                     job["started"], digests=known)
     out["finished_at"], out["cpu_seconds"] = time.time(), time.process_time() - c0
+    out["paused_seconds"] = pacer.slept
     return out
 
 
@@ -273,6 +340,12 @@ def _writer_main(conn, rank: int, world: int, host: str, port: int, parent: int)
     # unpickled DeviceMeshes have no process groups here (only their rank layout is needed): quiet
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
     try:
+        # import now, at normal priority and before training starts: at idle priority on a busy host the first
+        # save paid for them (measured: 9 s from the trainer sending the state to its save starting; DTensor's
+        # constructor imports torch._dynamo on first use, 1.5 s of CPU)
+        for module in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.default_planner",
+                       "torch.distributed.checkpoint.filesystem", "torch.distributed.tensor", "torch._dynamo"):
+            importlib.import_module(module)
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=dist.PrefixStore("titan-ckpt-writer", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))

@@ -75,7 +75,9 @@ class TrainConfig:
     checkpoint_every: int = 0       # save a checkpoint every K steps and at the end; 0 = no checkpoints
     keep_checkpoints: int = 3       # complete checkpoints kept (oldest removed); 0 = keep all
     checkpoint_dir: str = ""        # default <run_dir>/checkpoints
-    async_checkpoint: bool = False  # dcp.async_save: write in the background while training continues
+    async_checkpoint: bool = False  # write in a background process while training continues
+    async_checkpoint_cpu_share: float = 0.1  # the background writer pauses so its CPU time stays <= this
+                                    # fraction of wall time (short slices disturb training far less); 1 = no pauses
     resume: str = ""                # "" | "latest" | a checkpoint folder | a folder of them (titan-run --resume)
 
     def __post_init__(self) -> None:
@@ -85,7 +87,8 @@ class TrainConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
                 raise ConfigError(f"train key '{k}' must be an integer >= {lowest}, got {v!r}")
-        for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "expert_bias_gamma"):
+        for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "expert_bias_gamma",
+                  "async_checkpoint_cpu_share"):
             v = getattr(self, k)
             if isinstance(v, str):          # YAML 1.1 reads 1e-3 (no dot) as a string
                 try:
@@ -95,6 +98,9 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"train key '{k}' must be a non-negative number, got {v!r}")
             object.__setattr__(self, k, float(v))
+        if not 0.0 < self.async_checkpoint_cpu_share <= 1.0:
+            raise ConfigError("train key 'async_checkpoint_cpu_share' must be in (0, 1] (a fraction of one core), "
+                              f"got {self.async_checkpoint_cpu_share!r}")
         for k, allowed in (("dtype", ("auto", "bf16", "fp32")),
                            ("optimizer_impl", ("auto", "fused", "foreach", "for-loop"))):
             if getattr(self, k) not in allowed:

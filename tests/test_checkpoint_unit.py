@@ -63,6 +63,34 @@ def test_truncated_garbled_and_unmarked_checkpoints_are_skipped_with_a_warning(t
         ck.resolve("latest", tmp_path, warn=lambda m: None)
 
 
+def test_digests_computed_elsewhere_are_merged_and_still_verified(tmp_path):
+    path = fake_checkpoint(tmp_path, 2)
+    full = ck.manifest(path)
+    shard = next(path.glob("*.distcp")).name
+    paced = []
+    own = ck.manifest(path, names=[shard], pace=lambda: paced.append(1))   # what a writer computes for its file
+    assert own == {shard: full[shard]} and paced
+    assert ck.manifest(path, known=own) == full
+    wrong = {shard: [full[shard][0], "0" * 64]}                    # a wrong digest from a rank is caught at load
+    (path / ck.MARKER).write_text(json.dumps({"files": ck.manifest(path, known=wrong), "step": 2}))
+    assert "sha256" in ck.problem(path)
+
+
+def test_background_writer_pacer_keeps_its_cpu_share():
+    import time
+    from executor.checkpoint_writer import _Pacer
+    pacer = _Pacer(0.25)
+    w0, c0 = time.perf_counter(), time.thread_time()
+    while time.thread_time() - c0 < 0.2:                            # 0.2 s of CPU work in small pieces
+        sum(range(2000))
+        pacer()
+    cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+    assert cpu / wall <= 0.27 and pacer.slept >= 0.5
+    free = _Pacer(1.0)
+    free()
+    assert free.slept == 0.0
+
+
 def test_dcp_metadata_is_unpickled_with_an_allow_list(tmp_path):
     path = fake_checkpoint(tmp_path, 1)
     meta = ck.safe_unpickle((path / ".metadata").read_bytes())
@@ -189,6 +217,9 @@ def test_train_keys_are_validated():
         TrainConfig(checkpoint_every=-1)
     with pytest.raises(ConfigError, match="async_checkpoint"):
         TrainConfig(async_checkpoint="yes")
+    for bad in (0, 1.5):
+        with pytest.raises(ConfigError, match=r"async_checkpoint_cpu_share' must be in \(0, 1\]"):
+            TrainConfig(async_checkpoint_cpu_share=bad)
     assert sys.version_info >= (3, 10)
 
 
