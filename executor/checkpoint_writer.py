@@ -49,6 +49,7 @@ How it works:
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import logging
 import os
@@ -293,18 +294,23 @@ class _Pacer:
             self._mark = time.thread_time()
 
 
-def _paced_planner(pacer: _Pacer):
+@functools.cache
+def _paced_planner_class():
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class PacedSavePlanner(DefaultSavePlanner):
         """DCP's default planner (global plan cached: the writer saves the same structure every time) that
         lets the pacer pause before each item is serialized (DCP resolves items one by one as it writes)."""
 
+        def __init__(self, pacer: _Pacer):
+            super().__init__(enable_plan_caching=True)
+            self.pacer = pacer
+
         def resolve_data(self, write_item):
-            pacer()
+            self.pacer()
             return super().resolve_data(write_item)
 
-    return PacedSavePlanner(enable_plan_caching=True)
+    return PacedSavePlanner
 
 
 def _write(state: dict, job: dict, rank: int) -> dict:
@@ -314,7 +320,7 @@ def _write(state: dict, job: dict, rank: int) -> dict:
     pacer = _Pacer(job.get("cpu_share", 1.0))
     for path, value in job["extras"]:
         _put(state, path, value)
-    dcp.save(state, storage_writer=FileSystemWriter(job["tmp"]), planner=_paced_planner(pacer))
+    dcp.save(state, storage_writer=FileSystemWriter(job["tmp"]), planner=_paced_planner_class()(pacer))
     out = {"write_seconds": time.perf_counter() - t0}
     if job.get("kill"):
         sys.stderr.flush()

@@ -350,11 +350,14 @@ def peak_of_allocations(allocs) -> int:
     peak, inferred, at_end = _replay(allocs)
     kind = [a[3] if len(a) > 3 else "" for a in allocs]
     unseen = [b for b in inferred if kind[b]] + [b for b in at_end if kind[b] in ("temp", "gather")]
-    early: dict[int, int] = {}
-    for blk in unseen:
-        nxt = next((k for k in range(blk + 1, len(allocs)) if allocs[k][1] > 0 and not kind[k]), None)
-        if nxt is not None:
-            early[blk] = nxt
+    if not unseen:
+        return peak
+    nxt, following = [None] * len(allocs), None    # the next allocation made outside a collective
+    for k in range(len(allocs) - 1, -1, -1):
+        nxt[k] = following
+        if allocs[k][1] > 0 and not kind[k]:
+            following = k
+    early = {blk: nxt[blk] for blk in unseen if nxt[blk] is not None}
     return _replay(allocs, early)[0] if early else peak
 
 
