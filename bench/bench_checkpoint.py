@@ -132,8 +132,8 @@ def main() -> None:
             load_s = [e["seconds"] for e in events if e["event"] == "load"][0]
             print(f"sync save {save_s:.3f} s (mean of {a.steps // a.every}, {size / 1e6:.1f} MB on disk); "
                   f"resume (load) {load_s:.3f} s; resume/save {load_s / save_s:.2f}")
-            head = (f"HEADLINE: async save step-time ratio {ratio:.3f} (median of {a.runs} runs; target <= 1.10); resume {load_s:.2f} s vs "
-                    f"save {save_s:.2f} s (world {a.world}, llama3-debug)")
+            head = (f"HEADLINE: async save step-time ratio {ratio:.3f} (median of {a.runs} runs; target <= 1.10); "
+                    f"resume {load_s:.2f} s vs save {save_s:.2f} s (world {a.world}, llama3-debug)")
         print(head)
 
 

@@ -343,7 +343,7 @@ def peak_of_allocations(allocs) -> int:
       all-gather output, which are never training state) counts until the next allocation made
       outside a collective (its consumer's output), then as freed.
     Measured on tp4 with llama3-debug: per-rank peaks of one run spread over 77-84 MiB with the
-    first rule alone (a rank's figure depended on thread timing); with both, 77.0 on every rank.
+    first rule alone (a rank's figure depended on thread timing); with both, 77.0-77.5 on every rank.
     Frees of blocks allocated before the recorded window lower the total as they come.
     """
     allocs = sorted(allocs, key=lambda a: a[0])
