@@ -23,18 +23,17 @@ files do not match it (truncated, garbled).
 
 Loading never unpickles arbitrary objects: our files are JSON; DCP's shard
 data is read with ``torch.load(weights_only=True)`` by DCP itself; DCP's
-``.metadata`` is a pickle, which the reader of :func:`dcp_load` reads with an
-allow-list unpickler (DCP metadata classes, ``torch.Size``, dtypes, builtins
-containers); and its planner refuses DCP "bytes" items (which DCP would
+``.metadata`` is a pickle, which the reader of :func:`dcp_load` decodes with
+:mod:`executor.safe_pickle` (an opcode parser that resolves only an exact list
+of DCP dataclasses, dtypes and layouts and never calls anything the stream
+names); and its planner refuses DCP "bytes" items (which DCP would
 ``torch.load(weights_only=False)``; we never write any).
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from . import safe_pickle
 from .config import ConfigError
 
 FORMAT = 1
@@ -221,28 +221,12 @@ def finalize(folder: Path, step: int, tmp: Path, meta: dict, keep: int, started:
 
 
 # --------------------------------------------------------------------------- safe loading
-_SAFE_GLOBALS = {
-    ("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes",
-                              "bool", "slice", "complex", "getattr")
-} | {("collections", "OrderedDict"), ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
-     ("copyreg", "_reconstructor"), ("builtins", "object"), ("torch.serialization", "_get_layout"),
-     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-     ("pathlib", "PureWindowsPath")}
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        ok = ((module, name) in _SAFE_GLOBALS
-              or module.startswith("torch.distributed.checkpoint.")
-              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-              or (module == "enum" and name == "Enum"))
-        if not ok:
-            raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not allowed")
-        return super().find_class(module, name)
-
-
 def safe_unpickle(data: bytes):
-    return _AllowListUnpickler(io.BytesIO(data)).load()
+    """DCP's ``.metadata`` decoded by :mod:`executor.safe_pickle`, which never calls what the stream names."""
+    try:
+        return safe_pickle.loads(data)
+    except safe_pickle.UnsafePickleError as e:
+        raise CheckpointError(f"DCP metadata refused: {e}") from None
 
 
 def _reader_classes():
@@ -250,7 +234,7 @@ def _reader_classes():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeReader(FileSystemReader):
-        """FileSystemReader whose `.metadata` is unpickled with an allow-list (no arbitrary objects)."""
+        """FileSystemReader whose `.metadata` is decoded by safe_pickle (nothing in it is called)."""
 
         def read_metadata(self, *args, **kwargs):
             from torch.distributed.checkpoint.metadata import StorageMeta
