@@ -1,0 +1,16 @@
+"""Helpers shared by the cost-model tests (tests/test_flops.py, test_memory.py, test_step_time.py, ...)."""
+from __future__ import annotations
+
+from cost_models.estimate import estimate
+from cost_models.specs import Workload, load_hardware, load_model
+from search_spaces import CandidateTable, Plan
+
+
+def table(*plans: Plan) -> CandidateTable:
+    return CandidateTable.from_plans(plans)
+
+
+def est1(plan: Plan, model="llama3-70b", hw="h100-sxm", wl=None, coeffs=None):
+    m = load_model(model) if isinstance(model, str) else model
+    wl = wl or Workload(seq_len=8192, global_batch=plan.global_batch())
+    return estimate(table(plan), m, load_hardware(hw), wl, coeffs)

@@ -1,0 +1,65 @@
+"""cost_models/estimate.py: the vectorized estimate (breakdowns, per-row equality, speed)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from cost_models.estimate import GIB, Estimates, estimate
+from cost_models.memory import MEMORY_KEYS
+from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.step_time import TIME_KEYS
+from search_spaces import Plan, Target, enumerate_plans, load_space
+from tests.cost_model_helpers import table
+
+
+def test_breakdowns_sum_to_totals_and_vectorized_equals_per_row():
+    rng = np.random.default_rng(0)
+    for model, space, world in (("llama3-70b", "dense", 64), ("deepseek-v3-16b", "moe", 32)):
+        m = load_model(model)
+        tgt = Target.of(m, world_size=world, seq_len=4096, global_batch=64, gpus_per_node=8)
+        tab = enumerate_plans(load_space(space), tgt).table
+        wl = Workload(seq_len=4096, global_batch=64)
+        hw = load_hardware("h100-sxm")
+        e = estimate(tab, m, hw, wl)
+        assert set(e.memory) == set(MEMORY_KEYS) and set(e.time) == set(TIME_KEYS)
+        np.testing.assert_allclose(sum(e.memory.values()), e.peak_memory_bytes, rtol=1e-12)
+        np.testing.assert_allclose(sum(e.time.values()), e.step_time_s, rtol=1e-12)
+        for v in list(e.memory.values()) + list(e.time.values()):
+            assert np.all(v >= 0) and np.all(np.isfinite(v))
+        np.testing.assert_allclose(e.tokens_per_s, 64 * 4096 / e.step_time_s)
+        np.testing.assert_allclose(e.tokens_per_s_per_gpu * world, e.tokens_per_s)
+        assert e.capacity_bytes == (hw.memory_gib - hw.memory_reserved_gib) * GIB
+        np.testing.assert_array_equal(e.fits, e.peak_memory_bytes <= e.capacity_bytes)
+        for i in rng.choice(len(tab), size=25, replace=False):
+            one = estimate(tab.take([i]), m, hw, wl)
+            assert one.step_time_s[0] == pytest.approx(e.step_time_s[i], rel=1e-12)
+            assert one.peak_memory_bytes[0] == pytest.approx(e.peak_memory_bytes[i], rel=1e-12)
+            for k in TIME_KEYS:
+                assert one.time[k][0] == pytest.approx(e.time[k][i], rel=1e-12, abs=1e-15)
+
+
+def test_small_cpu_case():
+    m, hw = load_model("llama3-debug"), load_hardware("cpu")
+    wl = Workload(seq_len=256, global_batch=16, dtype="fp32")
+    t = table(Plan(dp_shard=4, microbatch=4), Plan(dp_shard=2, tp=2, microbatch=8),
+              Plan(dp_shard=2, pp=2, microbatch=4, n_microbatches=2), Plan(dp_shard=2, cp=2, microbatch=8))
+    e = estimate(t, m, hw, wl)
+    assert isinstance(e, Estimates) and len(e) == 4
+    assert np.all(e.fits) and np.all(e.step_time_s > 0) and np.all((e.mfu > 0) & (e.mfu < 1))
+    assert e.peak_memory_bytes.max() < 1 * GIB
+
+
+def test_estimate_is_fast_on_a_large_space():
+    m = load_model("llama3-405b")
+    tgt = Target.of(m, world_size=16384, seq_len=8192, global_batch=2048, gpus_per_node=8)
+    tab = enumerate_plans(load_space("dense"), tgt).table
+    assert len(tab) > 100_000
+    hw, wl = load_hardware("h100-sxm"), Workload(seq_len=8192, global_batch=2048)
+    estimate(tab, m, hw, wl)
+    t0 = time.perf_counter()
+    e = estimate(tab, m, hw, wl)
+    dt = time.perf_counter() - t0
+    assert dt < 1.5, f"estimate took {dt:.2f} s on {len(tab)} candidates (target well under 0.5 s)"
+    assert e.fits.any()

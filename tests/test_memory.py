@@ -1,0 +1,146 @@
+"""cost_models/memory.py: per-rank memory (parameters, optimizer, activations, pipeline buffers)."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.coefficients import Coefficients
+from cost_models.estimate import estimate
+from cost_models.memory import in_flight_microbatches, per_layer_activation_bytes
+from cost_models.specs import Workload, load_hardware, load_model, model_from_dict
+from search_spaces import Plan
+from tests.cost_model_helpers import est1, table
+
+
+def _peak(plan, **kw):
+    return est1(plan, **kw).peak_memory_bytes[0]
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "megatron"])
+def test_more_tp_or_dp_shard_means_less_memory_per_rank(layout):
+    wl = lambda p: Workload(seq_len=8192, global_batch=p.global_batch(), state_layout=layout, zero=1)  # noqa: E731
+    base = dict(microbatch=1, n_microbatches=4, ac="selective")
+    tps = [_peak(p, wl=wl(p)) for p in (Plan(dp_shard=8, tp=t, **base) for t in (1, 2, 4, 8))]
+    assert all(a > b for a, b in zip(tps, tps[1:])), tps
+    dps = [_peak(p, wl=wl(p)) for p in (Plan(dp_shard=d, tp=4, **base) for d in (1, 2, 8, 32))]
+    assert all(a > b for a, b in zip(dps, dps[1:])), dps
+
+
+def test_more_pp_means_less_memory_per_rank():
+    wl = lambda p: Workload(seq_len=8192, global_batch=p.global_batch(), state_layout="megatron", zero=1)  # noqa: E731
+    peaks = [_peak(p, wl=wl(p)) for p in (Plan(dp_shard=4, tp=8, pp=pp, microbatch=1, n_microbatches=16)
+                                          for pp in (1, 2, 4, 8))]
+    assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
+    # fsdp2: the parameter/optimizer shards shrink with pp as well
+    p1, p4 = (est1(Plan(dp_shard=4, tp=8, pp=pp, microbatch=1, n_microbatches=16)) for pp in (1, 4))
+    assert p4.memory["params"][0] < p1.memory["params"][0]
+    assert p4.memory["optimizer"][0] < p1.memory["optimizer"][0]
+
+
+@pytest.mark.parametrize("policy,attn,layout", [("matmul", "fused", "fsdp2"), ("op", "fused", "fsdp2"),
+                                                ("attention", "materialized", "megatron")])
+def test_activations_full_lt_selective_lt_none(policy, attn, layout):
+    m = load_model("llama3-8b")
+    wl = Workload(seq_len=4096, global_batch=8, attention_impl=attn, selective_ac=policy, state_layout=layout)
+    t = table(*(Plan(dp_shard=8, tp=1, ac=a) for a in ("none", "selective", "full")))
+    kept, _ = per_layer_activation_bytes(t, m, wl, Coefficients(), moe=False)
+    assert kept[2] < kept[1] < kept[0]
+    e = estimate(t, m, load_hardware("h100-sxm"), wl)
+    assert e.memory["activations"][2] < e.memory["activations"][1] < e.memory["activations"][0]
+    assert e.time["compute"][0] < e.time["compute"][1] < e.time["compute"][2]   # recomputation costs time
+
+
+def test_activations_reproduce_korthikanti_table2():
+    """Korthikanti et al. 2022, Table 2: per layer sbh(10 + 24/t + 5as/(ht)) with TP,
+    sbh(34/t) with TP+SP and selective recompute, 2sbh/t with full recompute and SP."""
+    s, b, h, a, t = 2048, 4, 6144, 64, 8
+    m = model_from_dict(dict(name="gpt22b", dim=h, n_layers=48, n_heads=a, ffn_hidden=4 * h, vocab_size=51200,
+                             mlp="gelu", norm="layernorm"))
+    kw = dict(seq_len=s, global_batch=b, state_layout="megatron", attention_impl="materialized", dropout=True,
+              selective_ac="attention")
+    # Megatron's fused kernels (LayerNorm, bias-GeLU, softmax) are what compile=True expresses
+    plan = table(*(Plan(tp=t, microbatch=b, ac=ac, compile=True) for ac in ("none", "selective", "full")))
+    no_sp, _ = per_layer_activation_bytes(plan, m, Workload(sequence_parallel=False, **kw), Coefficients(), False)
+    sp, _ = per_layer_activation_bytes(plan, m, Workload(sequence_parallel=True, **kw), Coefficients(), False)
+    sbh = s * b * h
+    assert no_sp[0] == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-12)
+    assert sp[1] == pytest.approx(sbh * 34 / t, rel=1e-12)
+    assert sp[2] == pytest.approx(2 * sbh / t, rel=1e-12)
+
+
+def test_in_flight_microbatches_by_schedule():
+    t = table(Plan(pp=4, n_microbatches=16, schedule="1F1B"), Plan(pp=4, n_microbatches=16, schedule="GPipe"),
+              Plan(pp=4, n_microbatches=16, schedule="Interleaved1F1B", stages_per_rank=2),
+              Plan(pp=4, n_microbatches=16, schedule="ZBVZeroBubble", stages_per_rank=2),
+              Plan(pp=4, n_microbatches=16, schedule="DualPipeV", stages_per_rank=2), Plan(n_microbatches=16))
+    first, last = in_flight_microbatches(t)
+    assert list(first) == pytest.approx([4, 16, 4 * (1 + 3 / 8), 4, 4.5, 1])
+    assert last[0] == 1 and last[1] == 16 and last[5] == 1
+
+
+def _cpu_debug(*plans, **wl):
+    m, hw = load_model("llama3-debug"), load_hardware("cpu")
+    w = Workload(seq_len=256, global_batch=plans[0].global_batch(), dtype="fp32", **wl)
+    return estimate(table(*plans), m, hw, w), m, w
+
+
+def test_block_activations_match_saved_tensors_of_the_executor_model():
+    """llama3-debug, fp32 eager, mb 8 x 256 tokens: torch.autograd.graph.saved_tensors_hooks on
+    executor/models/llama.py count 44 MiB + the 64 KiB LSE per block: the GQA K and V saved at
+    n_heads width (repeat_interleave before SDPA), no extra copy of the attention output."""
+    m = load_model("llama3-debug")
+    wl = Workload(seq_len=256, global_batch=8, dtype="fp32")
+    kept, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, wl, Coefficients(), moe=False)
+    assert kept[0] == pytest.approx(44 * 2 ** 20 + 8 * 2048 * 4, rel=1e-12)
+    # Megatron's kernels take GQA K/V un-expanded: 2 x 1 MiB less
+    meg, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, Workload(seq_len=256, global_batch=8,
+                                        dtype="fp32", state_layout="megatron"), Coefficients(), moe=False)
+    assert kept[0] - meg[0] == pytest.approx(2 * 2 ** 20, rel=1e-12)
+
+
+def test_gpipe_keeps_the_logits_of_all_microbatches_on_the_loss_stage():
+    lg = [_cpu_debug(Plan(pp=2, microbatch=1, n_microbatches=n, schedule=s))[0].memory["logits"][0]
+          for s in ("GPipe", "1F1B") for n in (8, 16)]
+    per_mb = 256 * 512 * (4 + 4)            # the stage output (fp32 logits) and the fp32 log-softmax
+    assert lg[1] - lg[0] == pytest.approx(8 * per_mb, rel=1e-9)
+    assert lg[2] == lg[3]                   # 1F1B: one micro-batch on the loss stage (the worst rank is the first)
+
+
+def test_multi_stage_schedules_keep_send_buffers_until_the_step_ends():
+    # Interleaved1F1B's activations grow with n_microbatches past the in-flight cap (P2P sends are
+    # waited at the end of the step); 1F1B's do not
+    a = {(s, n): _cpu_debug(Plan(pp=2, microbatch=1, n_microbatches=n, schedule=s,
+                                 stages_per_rank=2 if s != "1F1B" else 1))[0].memory["activations"][0]
+         for s in ("Interleaved1F1B", "1F1B") for n in (8, 16)}
+    resid = 256 * 256 * 4
+    assert a[("Interleaved1F1B", 16)] - a[("Interleaved1F1B", 8)] == pytest.approx(3 * 8 * resid, rel=1e-9)
+    assert a[("1F1B", 16)] == a[("1F1B", 8)]
+
+
+def test_zero_bubble_v_keeps_output_gradients_for_deferred_weight_grads():
+    from cost_models.memory import pipeline_extra_bytes
+    m = load_model("llama3-debug")
+    wl = Workload(seq_len=256, global_batch=16, dtype="fp32")
+    t = table(Plan(pp=2, microbatch=2, n_microbatches=8, schedule="ZBVZeroBubble", stages_per_rank=2),
+              Plan(pp=2, microbatch=2, n_microbatches=8, schedule="DualPipeV", stages_per_rank=2))
+    d = pipeline_extra_bytes(t, m, wl)["deferred_w"]
+    # 0.5 of the rank's 2 layers' matmul output gradients (wq, wk, wv, wo, w1, w3, w2 = 5 MiB per layer)
+    assert d[0] == pytest.approx(0.5 * 2 * 5 * 2 ** 20, rel=1e-9) and d[1] == 0
+
+
+def test_one_backward_pass_peaks_before_gradients_exist():
+    """pp == 1 with one micro-batch (or GPipe): the activation peak comes before any gradient, so
+    the peak is params + optimizer + max(grads, activation phase); with gradient accumulation the
+    gradients of earlier micro-batches are alive at the peak."""
+    e, _, _ = _cpu_debug(Plan(microbatch=8), Plan(microbatch=8, ac="full"), Plan(microbatch=4, n_microbatches=2))
+    assert e.memory["grads"][0] == 0 and e.memory["grads"][1] == 0
+    assert e.memory["grads"][2] == pytest.approx(4 * 3_410_176, rel=1e-6)   # 3.4 M params (+ norms), fp32
+    # measured (bench_memory_vs_model): single mb8 ac=full 107.4 MiB; the phase max predicts it within 3%
+    assert e.peak_memory_bytes[1] / 2 ** 20 == pytest.approx(107.4, rel=0.03)
+
+
+def test_pipelined_fsdp_regathers_blocks_every_microbatch():
+    e, _, _ = _cpu_debug(Plan(dp_shard=2, pp=2, microbatch=1, n_microbatches=16),
+                         Plan(dp_replicate=2, pp=2, microbatch=1, n_microbatches=16))
+    block = 786_432 * 4                     # one llama3-debug block, fp32
+    assert e.memory["fsdp_buffers"][0] >= 4 * block
+    assert e.memory["fsdp_buffers"][1] < 4 * block   # replicate-only FSDP: nothing to gather
