@@ -137,7 +137,19 @@ class HardwareSpec:
     inter_node_bw_gbs: float = 25.0
     inter_node_latency_us: float = 10.0
     efficiency: Mapping[str, float] = field(default_factory=dict)
-    memory_reserved_gib: float = 0.0   # runtime context + allocator slack (not usable)
+    memory_reserved_gib: float | None = None  # GiB of a device that the
+    #   training process can never allocate tensors in (fixed per process); None (not given) =
+    #   cuda_context_gib.  Usable memory is memory_gib - memory_reserved_gib.
+    # -- GPU-side memory outside the model's tensors (cost_models.memory adds the last two per plan)
+    cuda_context_gib: float = 0.0  # CUDA context, kernel images and the
+    #   driver's reserve: the nominal memory minus what the process can allocate before training starts
+    nccl_buffer_gib: float = 0.0   # NCCL buffers of ONE communicator
+    #   (channels x peers x protocol buffers), allocated outside PyTorch's caching allocator
+    allocator_fragmentation: float = 0.0  # reserved/allocated - 1 of the
+    #   device's caching allocator at the peak (torch.cuda.max_memory_reserved vs max_memory_allocated);
+    #   0 where tensors are freed to the system at once (CPU)
+    gpu_names: tuple[str, ...] = ()   # device names this preset stands for (nvidia-smi,
+    #   torch.cuda.get_device_name): `preset_for_gpu_name` matches them as substrings
     sm_count: int = 0            # streaming multiprocessors (tile/wave quantization of GEMMs); 0 = ignore
     kernel_launch_us: float = 4.0  # host (CPU) time per kernel the training loop launches, with the
     #                                framework work around it (Python, autograd, dispatcher, driver)
@@ -165,6 +177,16 @@ class HardwareSpec:
             if not 0 < float(v) <= 1.0:
                 raise SpecError(f"hardware '{self.name}': efficiency '{k}' must be in (0, 1], got {v}")
         object.__setattr__(self, "efficiency", {**DEFAULT_EFFICIENCY, **dict(self.efficiency)})
+        if self.memory_reserved_gib is None:
+            object.__setattr__(self, "memory_reserved_gib", self.cuda_context_gib)
+        for k in ("memory_reserved_gib", "cuda_context_gib", "nccl_buffer_gib", "allocator_fragmentation"):
+            if not getattr(self, k) >= 0:
+                raise SpecError(f"hardware '{self.name}': key '{k}' must be >= 0, got {getattr(self, k)}")
+        names = (self.gpu_names,) if isinstance(self.gpu_names, str) else tuple(self.gpu_names)
+        if not all(isinstance(g, str) and _name_key(g) for g in names):
+            raise SpecError(f"hardware '{self.name}': key 'gpu_names' must be a list of non-empty names, "
+                            f"got {self.gpu_names!r}")
+        object.__setattr__(self, "gpu_names", names)
 
     @property
     def supports_float8(self) -> bool:
@@ -184,6 +206,7 @@ class HardwareSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["efficiency"] = dict(self.efficiency)
+        d["gpu_names"] = list(self.gpu_names)
         return d
 
 
@@ -260,6 +283,34 @@ def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
 
 def load_hardware(name_or_path: str | os.PathLike) -> HardwareSpec:
     return _load("hardware", name_or_path, HardwareSpec)
+
+
+def preset_for_gpu_name(name: str, memory_gib: float | None = None) -> str | None:
+    """The hardware preset of a GPU from its device name (``nvidia-smi --query-gpu=name``,
+    ``torch.cuda.get_device_name``), or None when no preset lists it.
+
+    Each preset's ``gpu_names`` are matched as substrings of `name`, ignoring case, spaces and
+    dashes ("NVIDIA A100-SXM4-40GB" matches "A100 SXM4 40GB").  The longest matching entry wins;
+    between presets that match equally well the one whose ``memory_gib`` is closest to
+    `memory_gib` (the device's total memory, when given), then the first by preset name.
+    """
+    key = _name_key(name)
+    best: tuple | None = None
+    for preset in preset_names("hardware"):
+        hw = load_hardware(preset)
+        hits = [len(k) for k in map(_name_key, hw.gpu_names) if k in key]
+        if not hits:
+            continue
+        gap = abs(hw.memory_gib - memory_gib) if memory_gib is not None else 0.0
+        rank = (-max(hits), gap, preset)
+        if best is None or rank < best:
+            best = rank
+    return None if best is None else best[2]
+
+
+def _name_key(name: str) -> str:
+    """A device name reduced to lower-case letters and digits (the form `preset_for_gpu_name` compares)."""
+    return "".join(c for c in str(name).lower() if c.isalnum())
 
 
 def model_from_dict(d: Mapping[str, Any], where: str = "model") -> ModelSpec:

@@ -10,9 +10,11 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-# substrings of the device name -> hardware preset (checked in order)
-_NVIDIA_PRESETS = (("B200", "b200"), ("H200", "h200"), ("H100", "h100-sxm"), ("H800", "h100-sxm"),
-                   ("A100", None))
+from cost_models.specs import preset_for_gpu_name
+
+# what an unknown GPU is planned as (the executor then reports no MFU for it: cost_models.specs
+# preset_for_gpu_name is the one name table; this default is the planner's alone)
+UNKNOWN_GPU_PRESET = "h100-sxm"
 
 
 @dataclass(frozen=True)
@@ -33,24 +35,23 @@ def detect_local_devices() -> LocalDevices:
             rows = []
         if rows:
             name, mem_mib = rows[0][0].strip(), float(rows[0][1])
-            return LocalDevices(_nvidia_preset(name, mem_mib), len(rows), f"{len(rows)} x {name}")
+            preset = preset_for_gpu_name(name, mem_mib / 1024)
+            if preset is None:
+                return LocalDevices(UNKNOWN_GPU_PRESET, len(rows), f"{len(rows)} x {name} (no hardware preset "
+                                    f"lists this GPU: planned as {UNKNOWN_GPU_PRESET}; pass --hardware)")
+            return LocalDevices(preset, len(rows), f"{len(rows)} x {name}")
     rsmi = shutil.which("rocm-smi")
     if rsmi:
         try:
             out = subprocess.run([rsmi, "--showproductname"], capture_output=True, text=True, timeout=10)
-            n = sum(1 for line in out.stdout.splitlines() if "Card series" in line)
+            cards = [line.split(":")[-1].strip() for line in out.stdout.splitlines() if "Card series" in line]
         except (OSError, subprocess.SubprocessError):
-            n = 0
-        if n:
-            return LocalDevices("mi300x", n, f"{n} x AMD Instinct (assumed MI300X)")
+            cards = []
+        if cards:
+            preset = preset_for_gpu_name(cards[0])
+            if preset is None:   # rocm-smi names some cards by series only: the AMD preset this project has
+                return LocalDevices("mi300x", len(cards), f"{len(cards)} x {cards[0]} (assumed MI300X)")
+            return LocalDevices(preset, len(cards), f"{len(cards)} x {cards[0]}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return LocalDevices("cpu", cores, f"{cores} CPU processes (gloo), no GPU found")
 
-
-def _nvidia_preset(name: str, mem_mib: float) -> str:
-    for key, preset in _NVIDIA_PRESETS:
-        if key in name:
-            if preset is None:  # A100: by memory size
-                return "a100-80g" if mem_mib > 50_000 else "a100-40g"
-            return preset
-    return "h100-sxm"
