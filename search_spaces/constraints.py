@@ -1,17 +1,27 @@
-"""The legality rules of a layout, written once per rule.
+"""The legality rules of a layout, each written once.
 
-`Target` is what is being planned: the world and the shape of the model and
-workload the rules look at.  `check_plan` applies every rule to one `Plan`
-(used for plans given by hand and as the reference the vectorized
-enumerator is tested against); `enumerate.py` applies the same rules to whole
-arrays.  Each rule has a short reason name used in rejection counts.
+A rule is a predicate over the fields (and the derived facts, `plan.PlanFacts`) of a
+layout and a `Target`, written with operators that work both on one `Plan` (ints) and on
+columns of numpy arrays: `check_plan` applies every rule to one plan (for plans given by
+hand, and as the reference the enumerator is tested against), `enumerate.py` applies the
+same predicates to whole arrays, stage by stage.  Each rule has a short reason name used
+in rejection counts.
+
+Three groups:
+
+* `PLAN_RULES`: what any plan must satisfy (the mesh can be built, the schedule's stage
+  count); `Plan` refuses to exist otherwise;
+* `RUNTIME_RULES`: what torch.distributed.pipelining, hence titan-run, needs of the
+  micro-batch count; `Plan` refuses by default, ``Plan(..., runnable=False)`` lets a
+  what-if estimate of another framework's layout through, and `check_plan` reports it;
+* `TARGET_RULES`: the plan against the world, the model and the workload.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from .plan import Plan, interleaved_rounds_ok, min_microbatches
+import numpy as np
 
 # reason names, in the order the enumerator applies them
 R_TP_SHAPE = "tp does not divide heads, kv heads or FFN width"
@@ -21,6 +31,7 @@ R_SEQ = "seq_len not divisible by 2*cp*tp (cp>1) or tp"
 R_EP = "ep does not divide experts and dp_shard*cp"
 R_BATCH = "global batch not divisible by dp*microbatch"
 R_MICRO = "micro-batch count does not suit the pipeline schedule"
+R_STAGES = "stages per rank do not suit the pipeline schedule"
 R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
 R_MEMORY = "out of memory"
@@ -51,39 +62,114 @@ class Target:
                    global_batch=global_batch, float8_supported=float8_supported)
 
 
-def seq_divisor(cp: int, tp: int) -> int:
-    """Sequence length must divide by this: CP's load-balanced split cuts the
-    sequence in 2*cp chunks (head-tail pairing), and sequence parallel splits
-    each rank's part tp ways."""
-    return 2 * cp * tp if cp > 1 else tp
+@dataclass(frozen=True)
+class Rule:
+    reason: str
+    ok: Callable[[Any, Target | None], Any]        # (layout or columns, target) -> bool or bool array
+    message: Callable[[Any, Target | None], str]   # for one plan that breaks it
+
+    def plan_message(self, plan: Any) -> str:
+        return self.message(plan, None)
 
 
-def check_plan(plan: Plan, t: Target, *, tp_within_node: bool = True) -> list[tuple[str, str]]:
-    """Every rule `plan` breaks for target `t`, as (reason, message) pairs."""
-    out: list[tuple[str, str]] = []
-    if plan.world_size != t.world_size:
-        out.append((R_WORLD, f"dp_replicate*dp_shard*pp*tp*cp = {plan.world_size}, world size is {t.world_size}"))
-    widths = [t.ffn_hidden] + ([t.moe_ffn_hidden] if t.n_experts else [])
-    if t.n_heads % plan.tp or t.n_kv_heads % plan.tp or any(w % plan.tp for w in widths):
-        out.append((R_TP_SHAPE, f"tp={plan.tp} must divide n_heads={t.n_heads}, n_kv_heads={t.n_kv_heads} "
-                                f"and FFN width(s) {widths}"))
-    if tp_within_node and plan.tp > t.gpus_per_node:
-        out.append((R_TP_NODE, f"tp={plan.tp} > {t.gpus_per_node} devices per node"))
-    if plan.pp * plan.stages_per_rank > t.n_layers:
-        out.append((R_PP_LAYERS, f"pp*stages_per_rank = {plan.pp * plan.stages_per_rank} > {t.n_layers} layers"))
-    if t.seq_len % seq_divisor(plan.cp, plan.tp):
-        out.append((R_SEQ, f"seq_len={t.seq_len} must be divisible by {seq_divisor(plan.cp, plan.tp)} "
-                           f"(cp={plan.cp}, tp={plan.tp})"))
-    if plan.ep > 1 and (t.n_experts == 0 or t.n_experts % plan.ep or (plan.dp_shard * plan.cp) % plan.ep):
-        out.append((R_EP, f"ep={plan.ep} must divide n_experts={t.n_experts} and dp_shard*cp="
-                          f"{plan.dp_shard * plan.cp}"))
-    if plan.global_batch() != t.global_batch:
-        out.append((R_BATCH, f"dp*microbatch*n_microbatches = {plan.dp}*{plan.microbatch}*{plan.n_microbatches}"
-                             f" = {plan.global_batch()} sequences, global batch is {t.global_batch}"))
-    if plan.pp > 1 and plan.n_microbatches < min_microbatches(plan.schedule, plan.pp):
-        out.append((R_MICRO, f"n_microbatches={plan.n_microbatches} < {min_microbatches(plan.schedule, plan.pp)}"))
-    if plan.pp > 1 and plan.schedule == "Interleaved1F1B" and not interleaved_rounds_ok(plan.n_microbatches, plan.pp):
-        out.append((R_MICRO, f"n_microbatches={plan.n_microbatches} is not a multiple of its Interleaved1F1B rounds"))
-    if plan.float8 and not t.float8_supported:
-        out.append((R_FLOAT8, "float8 requested on hardware without float8 GEMMs"))
-    return out
+# --------------------------------------------------------------------------- micro-batch counts
+def min_microbatches_of(pp, dualpipev):
+    """Fewest micro-batches a schedule accepts with `pp` pipeline ranks (ints or arrays).
+
+    torch.distributed.pipelining (2.11, 2.14): 1F1B needs >= pp; DualPipeV
+    needs >= its 2*pp stages; GPipe, Interleaved1F1B and ZBVZeroBubble would
+    run fewer but leave stages idle, so we require >= pp for them too.
+    """
+    return np.where(pp > 1, pp * (1 + dualpipev), 1)
+
+
+def min_microbatches(schedule: str, pp: int) -> int:
+    return int(min_microbatches_of(pp, schedule == "DualPipeV"))
+
+
+def interleaved_rounds_ok(n_microbatches, pp):
+    """torch's Interleaved1F1B runs the micro-batches in rounds of max(1, n // pp): n must divide evenly."""
+    return n_microbatches % np.maximum(1, n_microbatches // pp) == 0
+
+
+def _not(x):
+    return np.logical_not(x)
+
+
+# --------------------------------------------------------------------------- the rules
+EP_MESH = Rule(
+    R_EP, lambda p, t: p.fsdp_size % p.ep == 0,
+    lambda p, t: (f"plan key 'ep' ({p.ep}) must divide dp_shard*cp ({p.dp_shard}*{p.cp}={p.fsdp_size}): "
+                  "expert parallelism is carved out of dp_shard x cp"))
+V_STAGES = Rule(
+    R_STAGES, lambda p, t: _not(p.is_v_schedule) | (p.stages_per_rank == 2),
+    lambda p, t: f"plan key 'stages_per_rank' must be 2 for schedule {p.schedule}, got {p.stages_per_rank}")
+INTERLEAVED_STAGES = Rule(
+    R_STAGES, lambda p, t: _not(p.is_schedule("Interleaved1F1B")) | (p.stages_per_rank >= 2),
+    lambda p, t: ("plan key 'stages_per_rank' must be >= 2 for schedule Interleaved1F1B, "
+                  f"got {p.stages_per_rank}"))
+SINGLE_STAGES = Rule(
+    R_STAGES, lambda p, t: p.is_multi_stage | (p.stages_per_rank == 1),
+    lambda p, t: f"plan key 'stages_per_rank' must be 1 for schedule {p.schedule}, got {p.stages_per_rank}")
+MICRO_COUNT = Rule(
+    R_MICRO, lambda p, t: p.n_microbatches >= min_microbatches_of(p.pp, p.is_schedule("DualPipeV")),
+    lambda p, t: (f"plan key 'n_microbatches' ({p.n_microbatches}) is too small for schedule {p.schedule} "
+                  f"with pp={p.pp}: needs at least {min_microbatches(p.schedule, p.pp)}"))
+MICRO_ROUNDS = Rule(
+    R_MICRO, lambda p, t: ((p.pp == 1) | _not(p.is_schedule("Interleaved1F1B"))
+                           | interleaved_rounds_ok(p.n_microbatches, p.pp)),
+    lambda p, t: (f"plan key 'n_microbatches' ({p.n_microbatches}) must be a multiple of "
+                  f"max(1, n_microbatches // pp) = {max(1, p.n_microbatches // p.pp)} for Interleaved1F1B"))
+
+WORLD = Rule(
+    R_WORLD, lambda p, t: p.world_size == t.world_size,
+    lambda p, t: f"dp_replicate*dp_shard*pp*tp*cp = {p.world_size}, world size is {t.world_size}")
+TP_SHAPE = Rule(
+    R_TP_SHAPE, lambda p, t: ((t.n_heads % p.tp == 0) & (t.n_kv_heads % p.tp == 0) & (t.ffn_hidden % p.tp == 0)
+                              & ((t.n_experts == 0) | (t.moe_ffn_hidden % p.tp == 0))),
+    lambda p, t: (f"tp={p.tp} must divide n_heads={t.n_heads}, n_kv_heads={t.n_kv_heads} "
+                  f"and FFN width(s) {[t.ffn_hidden] + ([t.moe_ffn_hidden] if t.n_experts else [])}"))
+TP_NODE = Rule(
+    R_TP_NODE, lambda p, t: p.tp <= t.gpus_per_node,
+    lambda p, t: f"tp={p.tp} > {t.gpus_per_node} devices per node")
+PP_LAYERS = Rule(
+    R_PP_LAYERS, lambda p, t: p.n_stages <= t.n_layers,
+    lambda p, t: f"pp*stages_per_rank = {p.n_stages} > {t.n_layers} layers")
+SEQ = Rule(
+    R_SEQ, lambda p, t: t.seq_len % p.seq_divisor == 0,
+    lambda p, t: f"seq_len={t.seq_len} must be divisible by {p.seq_divisor} (cp={p.cp}, tp={p.tp})")
+EP_EXPERTS = Rule(
+    R_EP, lambda p, t: (p.ep == 1) | ((t.n_experts > 0) & (t.n_experts % p.ep == 0)),
+    lambda p, t: f"ep={p.ep} must divide n_experts={t.n_experts} and dp_shard*cp={p.fsdp_size}")
+BATCH = Rule(
+    R_BATCH, lambda p, t: p.global_batch() == t.global_batch,
+    lambda p, t: (f"dp*microbatch*n_microbatches = {p.dp}*{p.microbatch}*{p.n_microbatches}"
+                  f" = {p.global_batch()} sequences, global batch is {t.global_batch}"))
+FLOAT8 = Rule(
+    R_FLOAT8, lambda p, t: _not(p.float8) | t.float8_supported,
+    lambda p, t: "float8 requested on hardware without float8 GEMMs")
+
+PLAN_RULES = (EP_MESH, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
+RUNTIME_RULES = (MICRO_COUNT, MICRO_ROUNDS)
+TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8)
+
+
+CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, EP_MESH, BATCH, MICRO_COUNT, MICRO_ROUNDS,
+               FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
+assert set(CHECK_ORDER) == set(PLAN_RULES + RUNTIME_RULES + TARGET_RULES)
+
+
+def rules(*, tp_within_node: bool = True, runnable: bool = True) -> tuple[Rule, ...]:
+    """Every rule, in the order `check_plan` reports them."""
+    return tuple(r for r in CHECK_ORDER if (tp_within_node or r is not TP_NODE)
+                 and (runnable or r not in RUNTIME_RULES))
+
+
+def check_plan(plan: Any, t: Target, *, tp_within_node: bool = True,
+               runnable: bool = True) -> list[tuple[str, str]]:
+    """Every rule `plan` breaks for target `t`, as (reason, message) pairs.
+
+    With ``runnable=False`` the rules of titan-run's pipeline runtime are left out (what-if estimates).
+    """
+    return [(r.reason, r.message(plan, t)) for r in rules(tp_within_node=tp_within_node, runnable=runnable)
+            if not r.ok(plan, t)]

@@ -17,8 +17,11 @@ gradient-accumulation steps otherwise), so that
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Mapping
+
+from . import constraints as C
+from .typed import InputError
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
@@ -27,14 +30,88 @@ AC_MODES = ("none", "selective", "full")
 BACKENDS = ("spmd_types", "dtensor")
 
 DEGREE_KEYS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep")
+# the device mesh, outermost -> innermost (consecutive ranks share tp, then cp, ...); ep has no axis of
+# its own: it is carved out of dp_shard x cp.  The cost model's link choice and the executor's mesh use this.
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+BATCH_KEYS = ("microbatch", "n_microbatches")
+
+# re-exported: the micro-batch rules live with the other layout rules in constraints.py
+min_microbatches = C.min_microbatches
+interleaved_rounds_ok = C.interleaved_rounds_ok
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A plan (or a plan file) that is malformed or does not fit its world."""
 
 
+class PlanFacts:
+    """Facts derived from a layout, as TorchTitan's ParallelDims has them.
+
+    Written once for both one `Plan` (plain ints) and a `CandidateTable` (numpy columns, one
+    entry per candidate): the subclass provides the fields as attributes and `is_schedule`.
+    """
+
+    __slots__ = ()
+
+    @property
+    def world_size(self):
+        return self.dp_replicate * self.dp_shard * self.pp * self.tp * self.cp
+
+    @property
+    def dp(self):
+        """Ranks holding different sequences (the batch is split this many ways)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self):
+        """Ranks holding different tokens: the loss and gradient-norm reductions span them."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def fsdp_size(self):
+        """Ranks one dense parameter is FSDP-sharded over (dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def expert_fsdp_size(self):
+        """Ranks one expert's weights are FSDP-sharded over: dp_shard*cp/ep (the expert divide factor)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def n_stages(self):
+        return self.pp * self.stages_per_rank
+
+    @property
+    def seq_divisor(self):
+        """The sequence length must divide by this: CP's load-balanced split cuts the sequence in
+        2*cp chunks (head-tail pairing), and sequence parallel splits each rank's part tp ways;
+        so 2*cp*tp when cp > 1, else tp (written without a branch so that it also works on columns)."""
+        return self.tp * (1 + (self.cp > 1) * (2 * self.cp - 1))
+
+    @property
+    def is_v_schedule(self):
+        """Two stages per rank in V placement (ZBVZeroBubble, DualPipeV)."""
+        return self.is_schedule("ZBVZeroBubble") | self.is_schedule("DualPipeV")
+
+    @property
+    def is_multi_stage(self):
+        """More than one pipeline stage per rank (Interleaved1F1B and the V schedules)."""
+        return self.is_schedule("Interleaved1F1B") | self.is_v_schedule
+
+    def global_batch(self):
+        """Sequences per optimizer step."""
+        return self.dp * self.microbatch * self.n_microbatches
+
+    def is_schedule(self, name: str):
+        raise NotImplementedError
+
+
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Plan(PlanFacts):
+    """One layout.  ``runnable=False`` (not a field) skips the rules that only titan-run's
+    pipeline runtime imposes (micro-batch counts, `constraints.RUNTIME_RULES`), for what-if
+    estimates of layouts other frameworks ran; `constraints.check_plan` still reports them."""
+
     dp_replicate: int = 1
     dp_shard: int = 1
     pp: int = 1
@@ -50,34 +127,20 @@ class Plan:
     compile: bool = False
     float8: bool = False
     backend: str = "spmd_types"
+    runnable: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
-        self.validate()
+    def __post_init__(self, runnable: bool = True) -> None:
+        self.validate(runnable=runnable)
 
-    # -- derived -----------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.pp * self.tp * self.cp
-
-    @property
-    def dp(self) -> int:
-        """Ranks holding different sequences (the batch is split this many ways)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.stages_per_rank
-
-    def global_batch(self) -> int:
-        """Sequences per optimizer step."""
-        return self.dp * self.microbatch * self.n_microbatches
+    def is_schedule(self, name: str) -> bool:
+        return self.schedule == name
 
     # -- validation ----------------------------------------------------------
-    def validate(self) -> None:
-        for key in DEGREE_KEYS + ("microbatch", "n_microbatches", "stages_per_rank"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"plan key '{key}' must be a positive integer, got {v!r}")
+    def validate(self, *, runnable: bool = True) -> None:
+        """Field types and choices, then the rules a plan must meet whatever it is run on
+        (`constraints.PLAN_RULES`), then, when `runnable`, titan-run's runtime rules."""
+        for key in DEGREE_KEYS + BATCH_KEYS + ("stages_per_rank",):
+            _check_positive_int(key, getattr(self, key))
         for key in ("reshard_after_forward", "compile", "float8"):
             v = getattr(self, key)
             if not isinstance(v, bool):
@@ -85,29 +148,9 @@ class Plan:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("ac", self.ac, AC_MODES)
         _check_choice("backend", self.backend, BACKENDS)
-        if (self.dp_shard * self.cp) % self.ep:
-            raise PlanError(
-                f"plan key 'ep' ({self.ep}) must divide dp_shard*cp ({self.dp_shard}*{self.cp}"
-                f"={self.dp_shard * self.cp}): expert parallelism is carved out of dp_shard x cp")
-        if self.schedule in V_SCHEDULES and self.stages_per_rank != 2:
-            raise PlanError(f"plan key 'stages_per_rank' must be 2 for schedule {self.schedule}, "
-                            f"got {self.stages_per_rank}")
-        if self.schedule == "Interleaved1F1B" and self.stages_per_rank < 2:
-            raise PlanError("plan key 'stages_per_rank' must be >= 2 for schedule Interleaved1F1B, "
-                            f"got {self.stages_per_rank}")
-        if self.schedule in ("GPipe", "1F1B") and self.stages_per_rank != 1:
-            raise PlanError(f"plan key 'stages_per_rank' must be 1 for schedule {self.schedule}, "
-                            f"got {self.stages_per_rank}")
-        if self.pp > 1 and self.n_microbatches < min_microbatches(self.schedule, self.pp):
-            raise PlanError(
-                f"plan key 'n_microbatches' ({self.n_microbatches}) is too small for schedule "
-                f"{self.schedule} with pp={self.pp}: needs at least "
-                f"{min_microbatches(self.schedule, self.pp)}")
-        if self.pp > 1 and self.schedule == "Interleaved1F1B" and not interleaved_rounds_ok(self.n_microbatches,
-                                                                                           self.pp):
-            raise PlanError(
-                f"plan key 'n_microbatches' ({self.n_microbatches}) must be a multiple of "
-                f"max(1, n_microbatches // pp) = {max(1, self.n_microbatches // self.pp)} for Interleaved1F1B")
+        for rule in C.PLAN_RULES + (C.RUNTIME_RULES if runnable else ()):
+            if not rule.ok(self, None):
+                raise PlanError(rule.plan_message(self))
 
     def check_world(self, world_size: int) -> None:
         if self.world_size != world_size:
@@ -115,44 +158,103 @@ class Plan:
                 f"plan degrees dp_replicate*dp_shard*pp*tp*cp = {self.dp_replicate}*{self.dp_shard}*"
                 f"{self.pp}*{self.tp}*{self.cp} = {self.world_size}, but the world size is {world_size}")
 
+    # -- completing a partial plan ----------------------------------------------
+    @classmethod
+    def complete(cls, partial: Mapping[str, Any], *, world_size: int, global_batch: int | None = None,
+                 fewest_microbatches: bool = False, runnable: bool = True, where: str = "plan") -> "Plan":
+        """The one way to complete a partial plan for `world_size` ranks and `global_batch` sequences.
+
+        * unknown keys are refused (as in `from_dict`); degree values are checked before use;
+        * ``dp_replicate, pp, tp, cp, ep`` default to 1 and ``dp_shard`` takes what remains of the world;
+        * ``schedule`` defaults to 1F1B and ``stages_per_rank`` to 2 for a multi-stage schedule, else 1;
+        * the batch split: a given ``microbatch`` and ``n_microbatches`` are kept; when one is given
+          the other is derived from `global_batch`; when neither is, ``microbatch`` is 1 and
+          ``n_microbatches`` derived, or with `fewest_microbatches` ``n_microbatches`` is the fewest the
+          schedule accepts (titan-run's default layout) and ``microbatch`` derived.  Without a
+          `global_batch` (or a malformed one) nothing is derived.
+        """
+        d = dict(_checked_mapping(partial, where))
+        for key in DEGREE_KEYS + BATCH_KEYS + ("stages_per_rank",):
+            if key in d:
+                _check_positive_int(key, d[key])
+        for key in ("dp_replicate", "pp", "tp", "cp", "ep"):
+            d.setdefault(key, 1)
+        d.setdefault("schedule", "1F1B")
+        _check_choice("schedule", d["schedule"], SCHEDULES)
+        d.setdefault("stages_per_rank", 2 if d["schedule"] in MULTI_STAGE_SCHEDULES else 1)
+        if "dp_shard" not in d:
+            fixed = d["dp_replicate"] * d["pp"] * d["tp"] * d["cp"]
+            if world_size % fixed:
+                raise PlanError(f"the given degrees dp_replicate*pp*tp*cp = {d['dp_replicate']}*{d['pp']}*"
+                                f"{d['tp']}*{d['cp']} = {fixed} do not divide the world size {world_size}")
+            d["dp_shard"] = world_size // fixed
+        gb_ok = isinstance(global_batch, int) and not isinstance(global_batch, bool) and global_batch > 0
+        if gb_ok and not ("microbatch" in d and "n_microbatches" in d):
+            dp = d["dp_replicate"] * d["dp_shard"]
+            if "microbatch" not in d and ("n_microbatches" in d or fewest_microbatches):
+                d.setdefault("n_microbatches", min_microbatches(d["schedule"], d["pp"]))
+                per, given = dp * d["n_microbatches"], f"dp*n_microbatches = {dp}*{d['n_microbatches']}"
+                derived = "microbatch"
+            else:
+                d.setdefault("microbatch", 1)
+                per, given = dp * d["microbatch"], f"dp*microbatch = {dp}*{d['microbatch']}"
+                derived = "n_microbatches"
+            if global_batch % per:
+                raise PlanError(f"global batch {global_batch} sequences is not divisible by {given}")
+            d[derived] = global_batch // per
+        elif fewest_microbatches and "n_microbatches" not in d:
+            d["n_microbatches"] = min_microbatches(d["schedule"], d["pp"])
+        return cls(**d, runnable=runnable)
+
     # -- wire format ---------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str = "plan") -> "Plan":
-        if not isinstance(d, Mapping):
-            raise PlanError(f"{where} must be a mapping of plan keys, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise PlanError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(known))})")
-        return cls(**dict(d))
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "plan", runnable: bool = True) -> "Plan":
+        return cls(**_checked_mapping(d, where), runnable=runnable)
+
+    # -- the one printer ------------------------------------------------------
+    def layout_str(self) -> str:
+        """Degrees, e.g. ``rep2·fsdp64·pp16·tp8``."""
+        parts = [f"rep{self.dp_replicate}"] if self.dp_replicate > 1 else []
+        parts.append(f"fsdp{self.dp_shard}")
+        parts += [f"{k}{getattr(self, k)}" for k in ("pp", "tp", "cp", "ep") if getattr(self, k) > 1]
+        return "·".join(parts)
+
+    def knobs_str(self) -> str:
+        """Everything else, e.g. ``mb1x16 Interleaved1F1B/v2 ac:full compile``."""
+        s = f"mb{self.microbatch}x{self.n_microbatches}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f"/v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+        s += f" ac:{self.ac}"
+        if not self.reshard_after_forward:
+            s += " noreshard"
+        if self.compile:
+            s += " compile"
+        if self.float8:
+            s += " fp8"
+        return s
 
     def describe(self) -> str:
-        parts = [f"{k}{getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep")
-                 if getattr(self, k) > 1]
-        s = "x".join(parts) if parts else "single"
-        if self.pp > 1:
-            s += f" {self.schedule}(v={self.stages_per_rank})"
-        return f"{s} mb{self.microbatch}x{self.n_microbatches} ac={self.ac}"
+        return f"{self.layout_str()} {self.knobs_str()}"
 
 
-def min_microbatches(schedule: str, pp: int) -> int:
-    """Fewest micro-batches a schedule accepts with `pp` pipeline ranks.
-
-    torch.distributed.pipelining (2.11, 2.14): 1F1B needs >= pp; DualPipeV
-    needs >= its 2*pp stages; GPipe, Interleaved1F1B and ZBVZeroBubble would
-    run fewer but leave stages idle, so we require >= pp for them too.
-    """
-    if pp <= 1:
-        return 1
-    return 2 * pp if schedule == "DualPipeV" else pp
+PLAN_KEYS = tuple(f.name for f in dataclasses.fields(Plan))
 
 
-def interleaved_rounds_ok(n_microbatches: int, pp: int) -> bool:
-    """torch's Interleaved1F1B runs the micro-batches in rounds of max(1, n // pp): n must divide evenly."""
-    return n_microbatches % max(1, n_microbatches // pp) == 0
+def _checked_mapping(d: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise PlanError(f"{where} must be a mapping of plan keys, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(PLAN_KEYS), key=str)
+    if unknown:
+        raise PlanError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(PLAN_KEYS))})")
+    return d
+
+
+def _check_positive_int(key: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PlanError(f"plan key '{key}' must be a positive integer, got {v!r}")
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

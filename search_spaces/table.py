@@ -2,7 +2,10 @@
 
 The cost models score every candidate at once, so the enumerator produces a
 table (one array per `Plan` field) instead of a list of objects.  String
-knobs are stored as small integer codes into the tuples of `plan.py`.
+knobs are stored as small integer codes into the tuples of `plan.py`.  The
+derived facts of `plan.PlanFacts` (``fsdp_size``, ``dp_cp``, ``seq_divisor``,
+``expert_fsdp_size``, ``n_stages``, ``is_v_schedule``, ...) are columns too,
+computed by the same code as for one `Plan`.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .plan import AC_MODES, BACKENDS, SCHEDULES, Plan
+from .plan import AC_MODES, BACKENDS, SCHEDULES, Plan, PlanFacts
 
 INT_COLUMNS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "microbatch", "n_microbatches",
                "stages_per_rank")
@@ -22,10 +25,41 @@ COLUMNS = INT_COLUMNS + BOOL_COLUMNS + tuple(CODE_COLUMNS)
 assert set(COLUMNS) == {f.name for f in dataclasses.fields(Plan)}
 
 
-class CandidateTable:
-    """Columns of equal length; `t.tp` is an int64 array, `t.ac` an int8 code array."""
+class Columns(PlanFacts):
+    """Some or all plan fields as equal-length arrays, with the derived facts of `PlanFacts`.
+
+    The enumerator checks the layout rules on these while it builds candidates stage by stage.
+    """
 
     __slots__ = ("_cols",)
+
+    def __init__(self, columns: Mapping[str, np.ndarray]):
+        self._cols = dict(columns)
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self._cols[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __len__(self) -> int:
+        return len(next(iter(self._cols.values())))
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        return dict(self._cols)
+
+    def is_schedule(self, name: str) -> np.ndarray:
+        return self._cols["schedule"] == SCHEDULES.index(name)
+
+    def is_ac(self, name: str) -> np.ndarray:
+        return self._cols["ac"] == AC_MODES.index(name)
+
+
+class CandidateTable(Columns):
+    """Columns of equal length; `t.tp` is an int64 array, `t.ac` an int8 code array."""
+
+    __slots__ = ()
 
     def __init__(self, columns: Mapping[str, np.ndarray]):
         missing = set(COLUMNS) - set(columns)
@@ -42,36 +76,10 @@ class CandidateTable:
             else:
                 a = a.astype(np.int8, copy=False)
             cols[k] = a
-        self._cols = cols
-
-    def __getattr__(self, name: str) -> np.ndarray:
-        try:
-            return self._cols[name]
-        except KeyError:
-            raise AttributeError(name) from None
+        super().__init__(cols)
 
     def __len__(self) -> int:
         return len(self._cols["tp"])
-
-    @property
-    def columns(self) -> dict[str, np.ndarray]:
-        return dict(self._cols)
-
-    # derived columns used everywhere
-    @property
-    def dp(self) -> np.ndarray:
-        return self._cols["dp_replicate"] * self._cols["dp_shard"]
-
-    @property
-    def world_size(self) -> np.ndarray:
-        c = self._cols
-        return c["dp_replicate"] * c["dp_shard"] * c["pp"] * c["tp"] * c["cp"]
-
-    def is_schedule(self, name: str) -> np.ndarray:
-        return self._cols["schedule"] == SCHEDULES.index(name)
-
-    def is_ac(self, name: str) -> np.ndarray:
-        return self._cols["ac"] == AC_MODES.index(name)
 
     def take(self, idx) -> "CandidateTable":
         return CandidateTable({k: v[idx] for k, v in self._cols.items()})
