@@ -1,4 +1,6 @@
-"""Validate the cost model against published training runs (reference/published_runs.yaml).
+"""Validate the cost model against published training runs: the shared set
+(../shared/reference/published_runs.yaml) and this project's extra set (bench/reference_extra.yaml),
+scored separately (`--set shared|extra|both`, default both).
 
 Every row the model can express is mapped -- with ONE set of rules and the SAME presets
 and default `Coefficients` for all rows -- onto (ModelSpec, HardwareSpec, Workload, Plan);
@@ -28,9 +30,25 @@ Mapping rules (stated once, applied to every row):
   need torch.compile for async TP, so compile=True.
 * measured Megatron TFLOP/s are turned into tokens/s with Megatron's own FLOPs count
   (`megatron_flops_per_token`, no causal halving).
+
+Rules for the extra set (same loader; a row's `framework:` key, else its id prefix, picks the
+framework):
+* `model:` may name a preset (`preset: llama3-405b`) or give the dims inline, with `mlp`, `norm`
+  and `tie_embeddings` where the family differs from Llama's (MPT: gelu, layernorm, tied).
+* hardware: A100 40GB -> a100-40g; B200 -> b200; H800 -> the h800 preset if one exists (else
+  the row is not expressible).
+* `measured.step_time_s` is turned into tokens/s/GPU as global_batch * seq_len / (t * GPUs).
+* mbridge / Korthikanti rows follow the Megatron rules above.  composer-fsdp (MosaicML's
+  llm-foundry benchmarks: Composer + PyTorch FSDP1) and llama3-meta (the Llama 3 paper: "DP
+  stands for FSDP") use the fsdp2 layout, eager (compile=False: neither states a compiler), the
+  'op' selective policy; FULL_SHARD -> reshard_after_forward=True, SHARD_GRAD_OP -> False.
+* `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
+  are not from a training run (they are left out of the "predicted to fit" check, as are the
+  shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import statistics
@@ -45,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import GIB, estimate  # noqa: E402
 from cost_models.flops import megatron_flops_per_token  # noqa: E402
-from cost_models.specs import Workload, load_hardware, load_model, model_from_dict  # noqa: E402
+from cost_models.specs import PRESET_DIR, Workload, load_hardware, load_model, model_from_dict  # noqa: E402
 from search_spaces.plan import Plan  # noqa: E402
 from search_spaces.table import CandidateTable  # noqa: E402
 
@@ -64,6 +82,12 @@ NOT_EXPRESSIBLE = {
 }
 
 
+EXTRA_PATH = Path(__file__).resolve().parent / "reference_extra.yaml"
+SETS = ("shared", "extra")
+MEGATRON = ("korthikanti", "megatron", "mbridge")
+FSDP_STACKS = ("torchtitan", "composer-fsdp", "llama3-meta")
+
+
 def reference_dir() -> Path:
     env = os.environ.get("TITAN_REFERENCE_DIR")
     return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "reference"
@@ -79,6 +103,7 @@ class Case:
     measured: dict = field(default_factory=dict)   # tokens_per_s_per_gpu | peak_mem_gib | params_opt_gib | activations_gib
     flags: dict = field(default_factory=dict)      # framework features, as coefficient overrides
     not_counted: dict = field(default_factory=dict)  # metric -> why it is shown but not scored
+    trained: bool = True                           # the figures come from a run that trained
 
 
 def _num(v):
@@ -93,7 +118,14 @@ def _num(v):
 
 def _hardware(gpu: str) -> str:
     if "A100" in gpu:
-        return "a100-80g"
+        return "a100-40g" if "40GB" in gpu or "40gb" in gpu else "a100-80g"
+    if "B200" in gpu:
+        return "b200"
+    if "H800" in gpu:
+        if not (PRESET_DIR / "hardware" / "h800.yaml").is_file():
+            raise ValueError("no H800 hardware preset (H800: H100 compute with 400 GB/s NVLink); add "
+                             "cost_models/presets/hardware/h800.yaml to score this row")
+        return "h800"
     if "96GB" in gpu:
         return "h100-96g-500w"
     if "H200" in gpu:
@@ -109,6 +141,8 @@ def _model(row) -> object:
     for key, why in NOT_EXPRESSIBLE.items():
         if name.startswith(key):
             raise ValueError(why)
+    if m.get("preset"):
+        return load_model(str(m["preset"]))
     if name in HF_MODELS:
         ref = HF_MODELS[name]
         return load_model(ref) if isinstance(ref, str) else model_from_dict({"name": name, **ref})
@@ -119,6 +153,7 @@ def _model(row) -> object:
              ffn_hidden=int(_num(m.get("ffn_hidden")) or 4 * h), max_seq_len=max(8192, _seq(row) or 0))
     if gpt:
         d.update(mlp="gelu", norm="layernorm")
+    d.update({k: m[k] for k in ("mlp", "norm", "tie_embeddings") if k in m})
     return model_from_dict(d)
 
 
@@ -129,10 +164,14 @@ def _seq(row):
 def build_case(row) -> Case:
     """Map one published row onto the cost model's inputs; ValueError(reason) if it cannot be expressed."""
     rid, par, hwr, meas = row["id"], row["parallel"], row["hardware"], row["measured"]
+    if row.get("not_scorable"):
+        raise ValueError(str(row["not_scorable"]))
     model = _model(row)
     hw = load_hardware(_hardware(hwr["gpu"]))
-    source = rid.split("_")[0]
-    megatron = source in ("korthikanti", "megatron", "mbridge")
+    source = str(row.get("framework") or rid.split("_")[0])
+    if source not in MEGATRON + FSDP_STACKS:
+        raise ValueError(f"framework '{source}' has no mapping rules (known: {', '.join(MEGATRON + FSDP_STACKS)})")
+    megatron = source in MEGATRON
     seq = _seq(row) or (8192 if source == "torchtitan" else None)
     if seq is None:
         raise ValueError("sequence length not stated")
@@ -170,11 +209,14 @@ def build_case(row) -> Case:
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge") else {}
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
+    reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
     plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
                 schedule=schedule, stages_per_rank=v, ac=ac, compile=compile_, float8=f8,
-                reshard_after_forward=True)
+                reshard_after_forward=reshard)
     measured = {}
-    if "tokens_per_sec_per_gpu" in meas:
+    if "step_time_s" in meas:
+        measured["tokens_per_s_per_gpu"] = gb * seq / (float(meas["step_time_s"]) * count)
+    elif "tokens_per_sec_per_gpu" in meas:
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec_per_gpu"])
     elif "tokens_per_sec" in meas:   # the async-TP table: header says tokens/sec, magnitude is per GPU
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec"])
@@ -190,12 +232,19 @@ def build_case(row) -> Case:
         not_counted["peak_mem_gib"] = ("TorchTitan e7c0cae compiles the loss as well (Compile.components defaults "
                                        "to ['model', 'loss']), so no fp32 logits are kept; this project's executor "
                                        "compiles blocks only, and the cost model follows the executor")
-    return Case(rid, model, hw, workload, plan, measured, flags, not_counted)
+    trained = bool(row.get("trained", True))
+    if korthikanti and ac == "none" and "exceed 80 GB" in str(row["source"].get("caveat", "")):
+        trained = False   # the source: the no-recompute bars exceed 80 GB, so they are analytic, not a run
+    return Case(rid, model, hw, workload, plan, measured, flags, not_counted, trained)
 
 
 def load_rows(ref_dir: Path | None = None) -> list[dict]:
     path = (ref_dir or reference_dir()) / "published_runs.yaml"
     return list(yaml.safe_load(path.read_text())["cases"])
+
+
+def load_extra_rows(path: Path | None = None) -> list[dict]:
+    return list(yaml.safe_load((path or EXTRA_PATH).read_text())["cases"])
 
 
 def build_cases(rows) -> tuple[list[Case], list[tuple[str, str]]]:
@@ -213,7 +262,8 @@ def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
     est = estimate(CandidateTable.from_plans([case.plan]), case.model, case.hw, case.workload, coeffs)
     m = {k: float(v[0]) for k, v in est.memory.items()}
     return {"tokens_per_s_per_gpu": float(est.tokens_per_s_per_gpu[0]),
-            "peak_mem_gib": float(est.peak_memory_bytes[0]) / GIB,
+            "peak_mem_gib": float(est.peak_memory_bytes[0]) / GIB, "fits": bool(est.fits[0]),
+            "capacity_gib": float(est.capacity_bytes) / GIB,
             "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
             "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0])}
 
@@ -241,13 +291,45 @@ def summarize(results) -> dict[str, dict]:
     return out
 
 
-def main() -> int:
-    ref = reference_dir()
-    if not (ref / "published_runs.yaml").is_file():
-        print(f"reference data not found under {ref} (set TITAN_REFERENCE_DIR)")
-        return 2
-    cases, skipped = build_cases(load_rows(ref))
+def fit_check(cases, coeffs: Coefficients | None = None) -> dict:
+    """Every run that trained must be predicted to fit: {'n': trained cases, 'misses': [(id, GiB, capacity)]}."""
+    misses, n = [], 0
+    for c in cases:
+        if not c.trained:
+            continue
+        n += 1
+        p = predict(c, coeffs)
+        if not p["fits"]:
+            misses.append((c.id, p["peak_mem_gib"], p["capacity_gib"]))
+    return {"n": n, "misses": misses}
+
+
+def load_set(name: str) -> list[dict]:
+    if name == "shared":
+        return load_rows()
+    if name == "extra":
+        return load_extra_rows()
+    raise ValueError(f"--set: unknown set '{name}' (allowed: shared, extra, both)")
+
+
+def headline_part(name: str, cases, skipped, results, fit) -> str:
+    s = summarize(results)
+    parts = []
+    for g in ("throughput", "memory"):
+        if g in s:
+            x = s[g]
+            parts.append(f"{g} n={x['n']} median {x['median_ape']:.1f}% worst {x['worst_ape']:.1f}% ({x['worst_id']})")
+        else:
+            parts.append(f"{g} n=0")
+    parts.append(f"fit {fit['n'] - len(fit['misses'])}/{fit['n']} trained runs predicted to fit")
+    return f"{name}: {len(cases)} rows expressed, {len(skipped)} not; " + ", ".join(parts)
+
+
+def report_set(name: str, rows) -> str:
+    cases, skipped = build_cases(rows)
     results = evaluate(cases)
+    fit = fit_check(cases)
+    print(f"== set '{name}' ({len(rows)} rows)")
     print(f"{'row':48s} {'metric':22s} {'measured':>10s} {'predicted':>10s} {'APE%':>6s}  plan")
     for r in results:
         mark = " " if r["counted"] else "x"
@@ -261,14 +343,34 @@ def main() -> int:
         print(f"\nshown above with 'x' but not scored ({len(shown)} metrics):")
         for r in shown:
             print(f"  {r['id']} {r['metric']}: {r['why']}")
+    if fit["misses"]:
+        print(f"\ntrained runs predicted NOT to fit ({len(fit['misses'])} of {fit['n']}):")
+        for rid, gib, cap in fit["misses"]:
+            print(f"  {rid}: predicted {gib:.1f} GiB > {cap:.1f} GiB usable")
     s = summarize(results)
-    print()
-    parts = []
+    print(f"\nset '{name}':")
     for g in ("throughput", "memory"):
         if g in s:
             x = s[g]
-            parts.append(f"{g}: n={x['n']} median APE {x['median_ape']:.1f}% worst {x['worst_ape']:.1f}% ({x['worst_id']})")
-    print(f"HEADLINE {len(cases)} rows expressed, {len(skipped)} not; " + "; ".join(parts))
+            print(f"  {g}: n={x['n']} median APE {x['median_ape']:.1f}%, worst {x['worst_ape']:.1f}% ({x['worst_id']})")
+    print(f"  fit: {fit['n'] - len(fit['misses'])} of {fit['n']} trained runs predicted to fit\n")
+    return headline_part(name, cases, skipped, results, fit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=("shared", "extra", "both"), default="both",
+                    help="which reference set to score (default: both, each separately)")
+    args = ap.parse_args(argv)
+    names = SETS if args.set == "both" else (args.set,)
+    ref = reference_dir()
+    if "shared" in names and not (ref / "published_runs.yaml").is_file():
+        print(f"reference data not found under {ref} (set TITAN_REFERENCE_DIR)")
+        if args.set == "shared":
+            return 2
+        names = tuple(n for n in names if n != "shared")
+    heads = [report_set(n, load_set(n)) for n in names]
+    print("HEADLINE " + " | ".join(heads))
     return 0
 
 

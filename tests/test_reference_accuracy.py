@@ -96,3 +96,48 @@ def test_vtrain_ranking_calibrated_cross_validated():
     ok = sum(g["picks_ok"] for g in groups.values())
     tot = sum(g["workloads"] for g in groups.values())
     assert ok / tot >= 2 / 3, (ok, tot)
+
+
+def test_extra_rows_parse_and_are_expressed_or_explained():
+    rows = vr.load_extra_rows()
+    ids = [r["id"] for r in rows]
+    assert len(rows) >= 30 and len(set(ids)) == len(ids)
+    for r in rows:                                   # every row cites where its numbers come from
+        src = r["source"]
+        assert src.get("paper") or src.get("repo"), r["id"]
+        assert src.get("table") or src.get("section") or src.get("path"), r["id"]
+        assert r["measured"], r["id"]
+    cases, skipped = vr.build_cases(rows)
+    assert len(cases) + len(skipped) == len(rows)
+    assert all(len(why) > 20 for _, why in skipped)
+    results = vr.evaluate(cases)
+    assert {r["id"] for r in results} == {c.id for c in cases}   # every expressed row is scored on something
+    assert all(r["predicted"] > 0 and r["measured"] > 0 for r in results)
+
+
+def test_step_time_rows_are_scored_as_tokens_per_second():
+    rows = {r["id"]: r for r in vr.load_extra_rows()}
+    row = rows["korthikanti_t5_175B_full"]
+    case = vr.build_case(row)
+    gb, seq, n = row["parallel"]["global_batch"], row["model"]["seq_len"], row["hardware"]["count"]
+    assert case.measured["tokens_per_s_per_gpu"] == pytest.approx(gb * seq / (row["measured"]["step_time_s"] * n))
+    assert case.measured["tokens_per_s_per_gpu"] == pytest.approx(row["derived"]["tokens_per_sec_per_gpu"], abs=0.1)
+
+
+@needs_runs
+def test_fit_check_leaves_out_figures_that_are_not_training_runs(published):
+    cases, _, _ = published
+    untrained = {c.id for c in cases if not c.trained}
+    assert untrained == {f"korthikanti_fig1_{m}_none" for m in ("22B", "175B", "530B", "1T")}
+    fit = vr.fit_check(cases)
+    assert fit["n"] == len(cases) - len(untrained)
+    assert not untrained & {rid for rid, _, _ in fit["misses"]}
+
+
+def test_cli_scores_each_set_and_ends_with_the_headline(capsys):
+    assert vr.main(["--set", "extra"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("HEADLINE extra:") and "shared" not in out[-1]
+    with pytest.raises(SystemExit) as e:
+        vr.main(["--set", "nope"])
+    assert e.value.code == 2
