@@ -20,7 +20,6 @@ rounding of the different reduction order.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -59,23 +58,21 @@ def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:
         raise ConfigError(f"cannot re-plan for world {world}: global batch {gb} is not divisible by dp = {dp} "
                           "(give --fallback-plan)")
     per_rank = gb // dp
-    need = min_microbatches(plan.schedule, plan.pp) if plan.pp > 1 else 1
+    need = min_microbatches(plan.schedule, plan.pp)
     choices = [mb for mb in range(min(plan.microbatch, per_rank), 0, -1)
                if per_rank % mb == 0 and per_rank // mb >= need]
     if not choices:
         raise ConfigError(f"cannot re-plan for world {world}: {per_rank} sequences per dp rank is fewer than the "
                           f"{need} micro-batches schedule {plan.schedule} needs (give --fallback-plan)")
-    mb = choices[0]
     ep = plan.ep
-    while ep > 1 and (dp * plan.cp) % ep:
+    while ep > 1 and (dp * plan.cp) % ep:     # ep is carved out of dp_shard*cp (constraints.EP_MESH)
         ep //= 2
-    new = dataclasses.replace(plan, dp_replicate=1, dp_shard=dp, microbatch=mb, n_microbatches=per_rank // mb,
-                              ep=ep)
+    keep = {k: v for k, v in plan.to_dict().items() if k not in ("dp_shard", "n_microbatches")}
     try:
-        new.validate()
+        return Plan.complete({**keep, "dp_replicate": 1, "microbatch": choices[0], "ep": ep}, world_size=world,
+                             global_batch=gb)
     except PlanError as e:
         raise ConfigError(f"cannot re-plan for world {world}: {e} (give --fallback-plan)") from None
-    return new
 
 
 def load_elastic_config(args, world: int):

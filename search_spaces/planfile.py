@@ -18,28 +18,39 @@ by name so a typo does not silently drop a setting.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
 from .plan import Plan, PlanError
-from .yaml_file import read_yaml
+from .yaml_file import read_yaml, write_text
 
 TOP_LEVEL_KEYS = ("model", "hardware", "workload", "plan", "train", "predicted", "measured", "inputs",
                   "provenance")
 
 
-def read_plan_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse and check a plan file; returns its mapping with ``plan`` as a `Plan`."""
-    data = read_yaml(path, error=PlanError, what="plan file")
-    return plan_file_from_dict(data, where=str(path))
+def read_plan_file(path: str | os.PathLike, *, parse_plan: bool = True,
+                   error: type[ValueError] = PlanError) -> dict[str, Any]:
+    """Read and check a plan file: the one reader, for titan-plan and titan-run.
+
+    Returns its mapping, with ``plan`` as a `Plan` when `parse_plan`; titan-run reads it with
+    ``parse_plan=False`` (``plan`` stays a mapping) because its ``--set`` overrides apply before the
+    plan is built.  Errors are one line, raised as `error` (titan-run passes its ConfigError).
+    """
+    data = read_yaml(path, error=error, what="plan file")
+    try:
+        return plan_file_from_dict(data, where=str(path), parse_plan=parse_plan)
+    except PlanError as e:
+        if error is PlanError:
+            raise
+        raise error(str(e)) from None
 
 
-def plan_file_from_dict(data: Any, *, where: str = "plan file") -> dict[str, Any]:
+def plan_file_from_dict(data: Any, *, where: str = "plan file", parse_plan: bool = True) -> dict[str, Any]:
     if not isinstance(data, Mapping):
-        raise PlanError(f"{where}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
-    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS))
+        raise PlanError(f"{where}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)} "
+                        f"(got {type(data).__name__})")
+    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS), key=str)
     if unknown:
         raise PlanError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(TOP_LEVEL_KEYS)})")
     if "plan" not in data:
@@ -47,10 +58,13 @@ def plan_file_from_dict(data: Any, *, where: str = "plan file") -> dict[str, Any
     if "model" not in data:
         raise PlanError(f"{where}: missing key 'model'")
     out = dict(data)
-    out["plan"] = Plan.from_dict(data["plan"], where=f"{where}: plan")
     for key in ("workload", "train", "predicted", "measured", "inputs", "provenance"):
         if key in out and out[key] is not None and not isinstance(out[key], Mapping):
             raise PlanError(f"{where}: key '{key}' must be a mapping")
+    if parse_plan:
+        out["plan"] = Plan.from_dict(data["plan"], where=f"{where}: plan")
+    elif out["plan"] is not None and not isinstance(out["plan"], Mapping):
+        raise PlanError(f"{where}: key 'plan' must be a mapping of plan keys")
     return out
 
 
@@ -61,11 +75,8 @@ def write_plan_file(path: str | os.PathLike, contents: Mapping[str, Any]) -> Non
         data["plan"] = data["plan"].to_dict()
     plan_file_from_dict({**data, "plan": data["plan"]}, where="plan to write")
     ordered = {k: data[k] for k in TOP_LEVEL_KEYS if k in data}
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(_plain(ordered), sort_keys=False, default_flow_style=False))
-    os.replace(tmp, p)
+    write_text(path, yaml.safe_dump(_plain(ordered), sort_keys=False, default_flow_style=False),
+               error=PlanError, what="plan file")   # atomic, through a symlink, never over a device
 
 
 def _plain(x: Any) -> Any:
