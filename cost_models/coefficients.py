@@ -15,8 +15,10 @@ from typing import Any, Mapping
 
 import yaml
 
+from search_spaces.typed import InputError
 
-class CoefficientsError(ValueError):
+
+class CoefficientsError(InputError):
     """A calibration file or mapping that cannot be used."""
 
 

@@ -44,7 +44,7 @@ class Rates:
         self.attn = self.peak * e["attention"] * coeffs.attention_efficiency_scale
         self.mem = hw.memory_bw_gbs * 1e9 * e["memory_bound"] * coeffs.memory_bound_efficiency_scale
         self.elt = 4.0 if fp32 else 2.0
-        self.sms = int(hw.sm_count)                               # 0: no tile/wave quantization
+        self.sms = int(hw.sm_count or 0)                          # 0: no tile/wave quantization
         launch = coeffs.kernel_launch_s if coeffs.kernel_launch_s > 0 else hw.kernel_launch_us * 1e-6
         self.launch = launch * coeffs.host_overhead_scale                 # host seconds per kernel
         self.sharpness = float(coeffs.launch_overlap_sharpness)

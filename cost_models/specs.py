@@ -13,17 +13,25 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
+from search_spaces.typed import InputError, from_mapping, show
 from search_spaces.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """A spec name, file or key that cannot be used."""
+
+
+# range rules read by search_spaces.typed.from_mapping (field metadata)
+_POSITIVE = {"min": 1}                     # an integer >= 1
+_COUNT = {"min": 0}                        # an integer (or number) >= 0
+_POSITIVE_OPEN = {"min": 0, "open": "left"}  # a number > 0
+_NONEMPTY = {"nonempty": True}
 
 
 # --------------------------------------------------------------------------- model
@@ -39,45 +47,52 @@ class ModelSpec:
     and ``*_head_dim`` keys; ``gqa`` by ``n_kv_heads`` and ``head_dim``.
     """
 
-    name: str
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
-    ffn_hidden: int
-    n_kv_heads: int = 0          # 0 -> n_heads (MHA)
-    head_dim: int = 0            # 0 -> dim // n_heads
-    mlp: str = "swiglu"          # swiglu (3 matrices) | gelu (2 matrices)
-    norm: str = "rmsnorm"
+    name: str = field(metadata=_NONEMPTY)
+    dim: int = field(metadata=_POSITIVE)
+    n_layers: int = field(metadata=_POSITIVE)
+    n_heads: int = field(metadata=_POSITIVE)
+    vocab_size: int = field(metadata=_POSITIVE)
+    ffn_hidden: int = field(metadata=_POSITIVE)
+    n_kv_heads: int = field(default=0, metadata=_POSITIVE)   # not given -> n_heads (MHA)
+    head_dim: int = field(default=0, metadata=_POSITIVE)     # not given -> dim // n_heads
+    mlp: Literal["swiglu", "gelu"] = "swiglu"                # swiglu: 3 matrices, gelu: 2
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     tie_embeddings: bool = False
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 8192
+    rope_theta: float = field(default=500000.0, metadata=_POSITIVE_OPEN)
+    norm_eps: float = field(default=1e-5, metadata=_POSITIVE_OPEN)
+    max_seq_len: int = field(default=8192, metadata=_POSITIVE)
     # attention flavour
-    attention: str = "gqa"       # gqa | mla
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = field(default=0, metadata=_COUNT)
+    kv_lora_rank: int = field(default=0, metadata=_COUNT)
+    qk_nope_head_dim: int = field(default=0, metadata=_COUNT)
+    qk_rope_head_dim: int = field(default=0, metadata=_COUNT)
+    v_head_dim: int = field(default=0, metadata=_COUNT)
     # mixture of experts
-    n_experts: int = 0
-    top_k: int = 0
-    moe_ffn_hidden: int = 0
-    n_shared_experts: int = 0
-    n_dense_layers: int = 0
-    score_func: str = "softmax"  # softmax | sigmoid
+    n_experts: int = field(default=0, metadata=_COUNT)
+    top_k: int = field(default=0, metadata=_COUNT)
+    moe_ffn_hidden: int = field(default=0, metadata=_COUNT)
+    n_shared_experts: int = field(default=0, metadata=_COUNT)
+    n_dense_layers: int = field(default=0, metadata=_COUNT)
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
     route_norm: bool = True
-    route_scale: float = 1.0
-    aux_loss_coef: float = 0.0
+    route_scale: float = field(default=1.0, metadata=_POSITIVE_OPEN)
+    aux_loss_coef: float = field(default=0.0, metadata=_COUNT)
     load_balance_bias: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.head_dim == 0:
+        if self.head_dim == 0 and self.n_heads > 0:
+            if self.dim % self.n_heads:
+                raise SpecError(f"model '{self.name}': dim ({self.dim}) must be divisible by n_heads "
+                                f"({self.n_heads}), or give head_dim")
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        rope = self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        if rope % 2:
+            raise SpecError(f"model '{self.name}': key '{'qk_rope_head_dim' if self.attention == 'mla' else 'head_dim'}' "
+                            f"must be even (rotary embeddings turn pairs of channels), got {rope}")
         for k in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden", "n_kv_heads", "head_dim"):
             if getattr(self, k) < 1:
                 raise SpecError(f"model '{self.name}': key '{k}' must be a positive integer")
@@ -125,7 +140,7 @@ class HardwareSpec:
     """
 
     name: str
-    device: str                  # cuda | cpu | rocm
+    device: Literal["cuda", "cpu", "rocm"]
     peak_tflops_bf16: float
     peak_tflops_fp32: float
     peak_tflops_fp8: float = 0.0  # 0 -> no float8 GEMMs
@@ -150,12 +165,14 @@ class HardwareSpec:
     #   0 where tensors are freed to the system at once (CPU)
     gpu_names: tuple[str, ...] = ()   # device names this preset stands for (nvidia-smi,
     #   torch.cuda.get_device_name): `preset_for_gpu_name` matches them as substrings
-    sm_count: int = 0            # streaming multiprocessors (tile/wave quantization of GEMMs); 0 = ignore
+    sm_count: int | None = field(default=None, metadata=_POSITIVE)  # streaming multiprocessors (tile/wave
+    #                                quantization of GEMMs); None (not given) = ignore
     kernel_launch_us: float = 4.0  # host (CPU) time per kernel the training loop launches, with the
     #                                framework work around it (Python, autograd, dispatcher, driver)
-    host_cores: int = 0          # CPU devices only: cores of one host, shared by its processes. A plan
-    #   that runs more processes on a host than it has cores gives each cores/processes of the
-    #   per-process throughput measured by `titan-plan profile` (one process per core); 0 = ignore
+    host_cores: int | None = field(default=None, metadata=_POSITIVE)  # CPU devices only: cores of one
+    #   host, shared by its processes. A plan that runs more processes on a host than it has cores gives
+    #   each cores/processes of the per-process throughput measured by `titan-plan profile` (one process
+    #   per core); None (not given) = ignore
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -166,7 +183,7 @@ class HardwareSpec:
                 raise SpecError(f"hardware '{self.name}': key '{k}' must be > 0")
         if self.gpus_per_node < 1:
             raise SpecError(f"hardware '{self.name}': key 'gpus_per_node' must be >= 1")
-        if self.sm_count < 0 or self.kernel_launch_us < 0 or self.host_cores < 0:
+        if (self.sm_count or 0) < 0 or self.kernel_launch_us < 0 or (self.host_cores or 0) < 0:
             raise SpecError(f"hardware '{self.name}': keys 'sm_count', 'kernel_launch_us' and 'host_cores' "
                             "must be >= 0")
         bad = sorted(set(self.efficiency) - set(EFFICIENCY_KEYS))
@@ -196,10 +213,10 @@ class HardwareSpec:
         """Slowdown of CPU work per process: processes on one host / its cores (>= 1).
 
         `world_size` may be an array; a host runs min(world, gpus_per_node) processes.
-        1.0 for accelerators and when `host_cores` is 0.
+        1.0 for accelerators and when `host_cores` is not given.
         """
         w = np.asarray(world_size, dtype=np.float64)
-        if self.device != "cpu" or self.host_cores <= 0:
+        if self.device != "cpu" or not self.host_cores or self.host_cores <= 0:
             return np.ones_like(w)
         return np.maximum(1.0, np.minimum(w, self.gpus_per_node) / self.host_cores)
 
@@ -323,14 +340,18 @@ def hardware_from_dict(d: Mapping[str, Any], where: str = "hardware") -> Hardwar
 
 def _load(kind: str, name_or_path: str | os.PathLike, cls):
     s = str(name_or_path)
+    what = "model" if kind == "models" else kind
+    if not s.strip():
+        raise SpecError(f"{what}: an empty name; give a preset name ({', '.join(preset_names(kind))}) "
+                        "or the path of a YAML file")
     path = Path(s)
-    if not (s.endswith((".yaml", ".yml")) or os.sep in s or path.is_file()):
+    if not (s.endswith((".yaml", ".yml")) or os.sep in s or _is_file(path)):
         path = PRESET_DIR / kind / f"{s}.yaml"
-        if not path.is_file():
+        if not _is_file(path):
             known = preset_names(kind)
             close = difflib.get_close_matches(s, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise SpecError(f"unknown {kind[:-1] if kind == 'models' else kind} '{s}'{hint}; "
+            raise SpecError(f"unknown {what} {show(s)}{hint}; "
                             f"known: {', '.join(known)}; or give the path of a YAML file")
     data = read_yaml(path, error=SpecError, what=f"{kind} file")
     if not isinstance(data, Mapping):
@@ -340,50 +361,19 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
     return _build(cls, data, str(path))
 
 
-def _build(cls, d: Mapping[str, Any], where: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise SpecError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(fields))})")
-    required = [n for n, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [n for n in required if n not in d]
-    if missing:
-        raise SpecError(f"{where}: missing key '{missing[0]}'")
-    kwargs = {}
-    for n, v in d.items():
-        kwargs[n] = _coerce(where, n, v, fields[n].type)
+def _is_file(path: Path) -> bool:
     try:
-        return cls(**kwargs)
-    except SpecError as e:
-        raise SpecError(f"{where}: {e}") from None
+        return path.is_file()
+    except OSError:          # e.g. a name too long: not a file, so it is read as a preset name
+        return False
 
 
-def _coerce(where: str, key: str, v: Any, typ: Any) -> Any:
-    t = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-    if t == "int":
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise SpecError(f"{where}: key '{key}' must be an integer, got {v!r}")
-    elif t == "float":
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise SpecError(f"{where}: key '{key}' must be a number, got {v!r}")
-        v = float(v)
-    elif t == "bool":
-        if not isinstance(v, bool):
-            raise SpecError(f"{where}: key '{key}' must be true or false, got {v!r}")
-    elif t == "str":
-        if not isinstance(v, str):
-            raise SpecError(f"{where}: key '{key}' must be a string, got {v!r}")
-    elif "Mapping" in t:
-        if not isinstance(v, Mapping):
-            raise SpecError(f"{where}: key '{key}' must be a mapping, got {v!r}")
-        for k2, v2 in v.items():
-            if isinstance(v2, bool) or not isinstance(v2, (int, float)):
-                raise SpecError(f"{where}: key '{key}.{k2}' must be a number, got {v2!r}")
-        v = {str(k2): float(v2) for k2, v2 in v.items()}
-    return v
+def _build(cls, d: Mapping[str, Any], where: str):
+    """The one typed reader (search_spaces.typed): keys, types, Literal choices and ranges of `cls`."""
+    return from_mapping(cls, d, where=where, error=SpecError)
 
 
 def _choice(where: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """For specs built in code (the files are checked by `_build` from the Literal annotations)."""
     if value not in allowed:
         raise SpecError(f"{where}: key '{key}' must be one of {', '.join(allowed)}; got {value!r}")

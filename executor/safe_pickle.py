@@ -39,12 +39,14 @@ import pickletools
 
 import torch
 
+from search_spaces.typed import InputError
+
 MAX_BYTES = 512 * 2**20          # a .metadata of a 100k-tensor model is a few MB
 MAX_ITEMS = 20_000_000           # containers items in total (a cap on work, not a format limit)
 MAX_INT_DIGITS = 4300            # Python's own str->int limit
 
 
-class UnsafePickleError(ValueError):
+class UnsafePickleError(InputError):
     """A pickle stream that uses something this reader does not allow."""
 
 

@@ -18,11 +18,13 @@ import re
 import sys
 import time
 
+from search_spaces.typed import MAX_WORLD_SIZE, InputError
+
 SUBCOMMANDS = ("plan", "estimate", "list", "profile", "calibrate")
 EXIT_USAGE = 2
 
 
-class UsageError(ValueError):
+class UsageError(InputError):
     pass
 
 
@@ -32,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["plan"] + argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        check_counts(args)
+    except UsageError as e:
+        print(f"titan-plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     from cost_models.coefficients import CoefficientsError
     from cost_models.specs import SpecError
     from search_spaces.plan import PlanError
@@ -45,6 +52,41 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:
         return 0
+    except InputError as e:          # every other user-input error class (search_spaces.typed)
+        print(f"titan-plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:             # a file named by a flag that cannot be read or written
+        print(f"titan-plan: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+              file=sys.stderr)
+        return EXIT_USAGE
+
+
+# the least value of each count flag (None: not given); --gpus is also capped at MAX_WORLD_SIZE
+COUNT_FLAGS = {"gpus": 1, "gpus_per_node": 1, "seq_len": 1, "global_batch": 1, "top": 1, "dry_run": 0,
+               "trials": 0, "trial_steps": 1, "nproc": 1, "max_bytes": 1, "dp_replicate": 1, "dp_shard": 1,
+               "pp": 1, "tp": 1, "cp": 1, "ep": 1, "microbatch": 1, "stages_per_rank": 1}
+
+
+def check_counts(args) -> None:
+    """Count flags in range, before anything is enumerated (a huge --gpus would never return)."""
+    for key, lowest in COUNT_FLAGS.items():
+        v = getattr(args, key, None)
+        flag = "--" + key.replace("_", "-")
+        if v is not None and v < lowest:
+            raise UsageError(f"{flag} must be >= {lowest}, got {v}")
+        if v is not None and v > MAX_WORLD_SIZE and key != "max_bytes":
+            raise UsageError(f"{flag} must be at most {MAX_WORLD_SIZE:,} (the largest world titan-plan plans), "
+                             f"got {str(v)[:30]}")
+    if getattr(args, "model", None) is not None and not args.model.strip():
+        raise UsageError("--model must be a preset name or a YAML path, got ''")
+    for key in ("trial_timeout", "memory_margin"):
+        v = getattr(args, key, None)
+        if v is not None and not (v == v and abs(v) != float("inf")):
+            raise UsageError(f"--{key.replace('_', '-')} must be a finite number, got {v}")
+    if getattr(args, "trial_timeout", None) is not None and args.trial_timeout <= 0:
+        raise UsageError(f"--trial-timeout must be > 0 seconds, got {args.trial_timeout}")
+    if getattr(args, "memory_margin", None) is not None and not 0 <= args.memory_margin < 1:
+        raise UsageError(f"--memory-margin must be in [0, 1), got {args.memory_margin}")
 
 
 # --------------------------------------------------------------------------- parser
@@ -177,14 +219,14 @@ def resolve_inputs(args, defaults: dict | None = None):
     model = load_model(args.model or d.get("model") or "llama3-debug")
     local = None
     hw_name = args.hardware or d.get("hardware")
-    gpus = args.gpus or d.get("gpus")
+    gpus = args.gpus if args.gpus is not None else d.get("gpus")
     if hw_name is None or gpus is None:
         local = detect_local_devices()
         hw_name = hw_name or local.hardware
         gpus = gpus or local.count
     hw = load_hardware(hw_name)
-    if gpus < 1:
-        raise UsageError(f"--gpus must be >= 1, got {gpus}")
+    if not 1 <= gpus <= MAX_WORLD_SIZE:
+        raise UsageError(f"--gpus must be in 1..{MAX_WORLD_SIZE:,}, got {str(gpus)[:30]}")
     gpn = args.gpus_per_node or d.get("gpus_per_node") or (
         gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
     if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links

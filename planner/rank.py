@@ -13,9 +13,10 @@ from search_spaces import constraints as C
 from search_spaces.enumerate import Enumeration, Rejection, enumerate_plans
 from search_spaces.space import SearchSpace
 from search_spaces.table import CandidateTable
+from search_spaces.typed import InputError
 
 
-class PlanningError(ValueError):
+class PlanningError(InputError):
     """The question has no answer (no layout fits, ...); the message says why."""
 
 

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 
 from .plan import AC_MODES, BACKENDS, SCHEDULES, PlanError
+from .typed import InputError
 from .yaml_file import read_yaml
 
 SPACE_DIR = Path(__file__).parent
@@ -38,7 +39,7 @@ KNOB_KEYS = ("microbatch", "schedule", "stages_per_rank", "ac", "reshard_after_f
              "float8", "backend")
 
 
-class SpaceError(ValueError):
+class SpaceError(InputError):
     """A search-space file that is malformed or names an illegal value."""
 
 
