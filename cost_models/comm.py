@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# innermost last: TorchTitan's ParallelDims mesh order
-AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from search_spaces.plan import MESH_AXES as AXIS_ORDER  # innermost last: TorchTitan's ParallelDims mesh order
 
 
 # --------------------------------------------------------------------------- collectives

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from search_spaces.plan import Plan
+from search_spaces.plan import MESH_AXES, Plan
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+AXES = MESH_AXES
 FLAT_AXES = ("dp", "dp_shard_cp", "dp_cp")
 
 
