@@ -33,19 +33,17 @@ import numpy as np
 from cost_models.estimate import estimate
 from search_spaces.plan import Plan, PlanError
 from search_spaces.planfile import write_plan_file
+from search_spaces.space import KNOB_KEYS
 from search_spaces.table import CandidateTable
 
 from . import report
 from .rank import PlanningError, PlanningResult
 
-try:
-    from optuna.trial import Trial as _Trial
-    _NATIVE_CONSTRAINTS = hasattr(_Trial, "set_constraint")
-except ImportError:  # optuna is only needed for trials
-    _NATIVE_CONSTRAINTS = False
+# optuna (the 'trials' extra) is imported only where a study runs: it is optional, and slow to import
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "schedule", "stages_per_rank")
-KNOB_KEYS = ("microbatch", "ac", "reshard_after_forward", "compile")
+SAMPLED_KNOBS = ("microbatch", "ac", "reshard_after_forward", "compile")   # the study varies these within a layout
+assert set(SAMPLED_KNOBS) <= set(KNOB_KEYS)
 STUDY_ATTRS = ("model", "hardware", "gpus", "seq_len", "global_batch", "dtype")
 
 
@@ -195,16 +193,19 @@ def _layout_key(p: Plan) -> str:
 
 
 def _plan_from(layout: str, knobs: dict[str, Any], global_batch: int, base: Plan) -> Plan:
-    d = base.to_dict()
+    """`base` with the layout and knobs of a trial; n_microbatches follows from the global batch."""
+    d = {k: v for k, v in base.to_dict().items() if k != "n_microbatches"}
     for kv in layout.split(","):
         k, v = kv.split("=")
         d[k] = v if k == "schedule" else int(v)
     d.update(knobs)
-    dp = d["dp_replicate"] * d["dp_shard"]
-    if global_batch % (dp * d["microbatch"]):
-        raise PlanError(f"global batch {global_batch} not divisible by dp*microbatch = {dp}*{d['microbatch']}")
-    d["n_microbatches"] = global_batch // (dp * d["microbatch"])
-    return Plan.from_dict(d)
+    return Plan.complete(d, world_size=base.world_size, global_batch=global_batch)
+
+
+def _native_constraints() -> bool:
+    """Optuna >= 5 reads constraints stored on the trial (Trial.set_constraint); older ones take a function."""
+    from optuna.trial import Trial    # optional package (the 'trials' extra)
+    return hasattr(Trial, "set_constraint")
 
 
 def open_study(settings: TrialSettings, attrs: dict[str, Any]):
@@ -217,8 +218,7 @@ def open_study(settings: TrialSettings, attrs: dict[str, Any]):
         db_dir = Path(url[len("sqlite:///"):]).resolve().parent
         if not db_dir.is_dir():
             raise TrialsError(f"--storage {url}: folder '{db_dir}' does not exist")
-    # Optuna >= 5 reads constraints stored on the trial (Trial.set_constraint); older ones take a function
-    extra = {} if _NATIVE_CONSTRAINTS else {"constraints_func": _constraints}
+    extra = {} if _native_constraints() else {"constraints_func": _constraints}
     sampler = optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=max(1, settings.n_trials // 3),
                                          **extra)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2)
@@ -247,7 +247,7 @@ def open_study(settings: TrialSettings, attrs: dict[str, Any]):
 def _set_constraint(trial, value: float) -> None:
     """<= 0 feasible; > 0 infeasible (over memory, oom, timeout, crash, illegal)."""
     trial.set_user_attr("constraint", float(value))
-    if _NATIVE_CONSTRAINTS:
+    if _native_constraints():
         trial.set_constraint("feasible", float(value))
 
 
@@ -277,11 +277,9 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
         if len(layouts) >= settings.top_layouts:
             break
     base = res.table.plan(ranked[0])
-    dists = {"layout": CategoricalDistribution(layouts),
-             "microbatch": CategoricalDistribution(sorted(set(space_knobs["microbatch"]))),
-             "ac": CategoricalDistribution(list(space_knobs["ac"])),
-             "reshard_after_forward": CategoricalDistribution(list(space_knobs["reshard_after_forward"])),
-             "compile": CategoricalDistribution(list(space_knobs["compile"]))}
+    dists = {"layout": CategoricalDistribution(layouts)}
+    for k in SAMPLED_KNOBS:
+        dists[k] = CategoricalDistribution(sorted(set(space_knobs[k])) if k == "microbatch" else list(space_knobs[k]))
     attrs = {k: plan_inputs[k] for k in STUDY_ATTRS}
     study = open_study(settings, attrs)
     # trials left RUNNING by a killed titan-plan: mark failed, run their points again
@@ -292,8 +290,7 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
         seen = set()
         for i in ranked:
             p = res.table.plan(i)
-            params = {"layout": _layout_key(p), "microbatch": p.microbatch, "ac": p.ac,
-                      "reshard_after_forward": p.reshard_after_forward, "compile": p.compile}
+            params = {"layout": _layout_key(p), **{k: getattr(p, k) for k in SAMPLED_KNOBS}}
             key = tuple(sorted(params.items()))
             if params["layout"] in layouts and key not in seen:
                 seen.add(key)
@@ -320,7 +317,7 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
             _set_constraint(trial, twin.user_attrs.get("constraint", 0.0))
             study.tell(trial, twin.value)
             continue
-        knobs = {k: params[k] for k in KNOB_KEYS}
+        knobs = {k: params[k] for k in SAMPLED_KNOBS}
         try:
             plan = _plan_from(params["layout"], knobs, gb, base)
         except PlanError as e:
@@ -337,7 +334,7 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
                                     "workload": plan_inputs["workload"], "plan": plan, "predicted": pred})
         trial.set_user_attr("plan", plan.to_dict())
         trial.set_user_attr("predicted", pred)
-        log(f"[trials] trial {trial.number}: {report.layout_str(plan)} {report.knobs_str(plan)} "
+        log(f"[trials] trial {trial.number}: {plan.describe()} "
             f"(predicted {pred['tokens_per_s']:,.0f} tok/s, {pred['peak_memory_gib']:.2f} GiB)")
 
         def on_step(step: int, step_time: float) -> bool:
