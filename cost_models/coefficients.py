@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from search_spaces.typed import InputError
+from search_spaces.typed import InputError, from_mapping
+from search_spaces.yaml_file import read_yaml
 
 
 class CoefficientsError(InputError):
@@ -46,8 +47,9 @@ class Coefficients:
     #                                launch, `kernel_launch_us`: a platform figure (CPU + framework)
     kernel_launch_s: float = 0.0   # > 0: replaces the preset's host time per launch (seconds); 0 = use
     #   the preset (calibration files written before the figure moved into the presets carry it)
-    launch_overlap_sharpness: float = 4.0  # p of the smooth maximum (gpu^p + host^p)^(1/p) that
-    #   combines GPU and host time of a block (compute.launch_bound; inf = plain maximum)
+    launch_overlap_sharpness: float = field(default=4.0, metadata={"allow_inf": True})  # p of the smooth
+    #   maximum (gpu^p + host^p)^(1/p) that combines GPU and host time of a block (compute.launch_bound;
+    #   inf = plain maximum)
     kernel_latency_s: float = 3e-6  # physical: GPU-side fixed cost per kernel (launch latency, ramp and
     #                                tail of the wave) added to its work
     step_overhead_s: float = 0.0   # per optimizer step (data loading, logging, ...)
@@ -107,13 +109,21 @@ class Coefficients:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Coefficients":
-        """Read a calibration file: the coefficients, either at the top level or under 'coefficients:'."""
-        from search_spaces.yaml_file import read_yaml
+        """Read a calibration file: the coefficients, either at the top level or under 'coefficients:'.
+
+        Read by the one typed reader: unknown names, non-numbers and non-finite values (NaN, and
+        infinity except where a coefficient allows it) are refused in one line naming the file.
+        """
         p = Path(path)
         data = read_yaml(p, error=CoefficientsError, what="calibration file")
         if isinstance(data, Mapping) and "coefficients" in data:
             data = data["coefficients"]
-        return cls.from_dict(data or {}, where=str(p))
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise CoefficientsError(f"{p}: expected a mapping of coefficient names to numbers, "
+                                    f"got {type(data).__name__}")
+        return from_mapping(cls, data, where=str(p), error=CoefficientsError)
 
     def save(self, path: str | os.PathLike, *, meta: Mapping[str, Any] | None = None) -> None:
         """Write as YAML; `meta` (provenance, fit residuals, ...) goes next to 'coefficients:'."""
