@@ -213,8 +213,10 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
         exp_blk = nm * rp["moe_expert_block"] / nb
 
         def block_collective(nbytes):   # all-gather or reduce-scatter of one block, dense and expert groups
+            # (the expert group's collective exists only where there are expert weights: a dense
+            # model must not pay its (p-1) latency steps)
             return (ring_gather_time(fsdp_n, dense_blk * nbytes, fs.bw, fs.alpha)
-                    + ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha))
+                    + np.where(exp_blk > 0, ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha), 0.0))
         ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
         ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha)
         head = model.vocab_size * model.dim / table.tp.astype(np.float64)       # the root unit (LM head)

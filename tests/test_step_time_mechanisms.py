@@ -1,0 +1,40 @@
+"""Step-time mechanisms at scale (issue 12, items 4-6): data-parallel traffic, pipeline engines, MoE."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cost_models import step_time as S
+from cost_models.coefficients import Coefficients
+from cost_models.comm import axis_links, ring_gather_time
+from cost_models.compute import Rates
+from cost_models.memory import rank_params
+from cost_models.specs import Workload, load_hardware, load_model
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
+
+
+def _parts(table, model, hw, wl, coeffs):
+    r = Rates(hw, wl, coeffs)
+    links = axis_links(table, hw, coeffs)
+    st = S.stage_times(table, model, hw, wl, coeffs, links, r)
+    return r, links, st
+
+
+def test_dense_fsdp_pays_one_ring_per_block_not_an_empty_expert_ring():
+    """A dense model has no expert weights, so no expert-group collective and none of its (p-1) latency
+    steps: with overlap off, the FSDP2 passes are exactly the dense rings (all-gather before forward,
+    reduce-scatter after backward, per block plus the first one and the LM head)."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
+    wl = Workload(seq_len=2048, global_batch=512)
+    coeffs = Coefficients(dp_overlap=0.0)
+    t = CandidateTable.from_plans([Plan(dp_shard=512, microbatch=1, n_microbatches=1, reshard_after_forward=False)])
+    r, links, st = _parts(t, model, hw, wl, coeffs)
+    dp, _ = S.data_parallel(t, model, hw, wl, coeffs, links, r, st)
+    fs = links["fsdp"]
+    blk = rank_params(t, model)["dense_block"]
+    head = model.vocab_size * model.dim
+    ag, rs = (ring_gather_time(512, blk * b, fs.bw, fs.alpha) for b in (2.0, 4.0))
+    ag_h, rs_h = (ring_gather_time(512, head * b, fs.bw, fs.alpha) for b in (2.0, 4.0))
+    n = model.n_layers
+    assert dp[0] == pytest.approx(float(np.ravel((n + 1) * (ag + rs) + ag_h + rs_h)[0]), rel=1e-9)
