@@ -14,6 +14,7 @@ from .coefficients import Coefficients
 from .flops import flops_per_token
 from .memory import MEMORY_KEYS, memory_breakdown
 from .step_time import TIME_KEYS, step_time_breakdown
+from .uncertainty import bands, uncovered_at
 
 GIB = 2 ** 30
 
@@ -29,6 +30,12 @@ class Estimates:
     time: dict[str, np.ndarray]        # seconds per step; keys TIME_KEYS, sum == step_time_s
     capacity_bytes: float              # usable memory per device (memory_gib - memory_reserved_gib)
     fits: np.ndarray                   # [n] bool: peak_memory_bytes <= capacity_bytes
+    # error bands from the validation residuals of the terms that dominate each candidate
+    # (cost_models/uncertainty.py, presets/uncertainty.yaml): one-sided p90 of the step time
+    # and of the peak memory, and what no validation run covers (reason -> [n] bool)
+    step_time_p90_s: np.ndarray        # [n] seconds
+    peak_memory_p90_bytes: np.ndarray  # [n]
+    uncovered: dict[str, np.ndarray]
 
     def __len__(self) -> int:
         return len(self.step_time_s)
@@ -44,6 +51,9 @@ class Estimates:
             "memory_gib": {k: float(v[i] / GIB) for k, v in self.memory.items()},
             "time_s": {k: float(v[i]) for k, v in self.time.items()},
             "fits": bool(self.fits[i]),
+            "step_time_p90_s": float(self.step_time_p90_s[i]),
+            "peak_memory_p90_gib": float(self.peak_memory_p90_bytes[i] / GIB),
+            "uncovered": uncovered_at(self.uncovered, i),
         }
 
 
@@ -70,6 +80,8 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     peak_flops = (hw.peak_tflops_fp32 if workload.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
     mfu = flops_per_token(model, workload.seq_len) * tokens_per_s / (world * peak_flops)
     capacity = (hw.memory_gib - hw.memory_reserved_gib) * GIB
+    band = bands(table, model, hw, workload, tim, mem)
     return Estimates(step_time_s=step, tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world,
                      mfu=mfu, peak_memory_bytes=peak, memory=mem, time=tim, capacity_bytes=float(capacity),
-                     fits=peak <= capacity)
+                     fits=peak <= capacity, step_time_p90_s=band.step_time_p90_s,
+                     peak_memory_p90_bytes=band.peak_memory_p90_bytes, uncovered=band.uncovered)
