@@ -25,6 +25,15 @@ intra-node link it also traverses.  Hence the effective bandwidth of a cross-nod
 axis is ``min(k * inter_bw, intra_bw)`` and its latency is the inter-node one.  For
 all-to-all the traffic is not a ring: a rank's off-node share ``(p-k)/p`` goes through
 its own NIC at ``inter_bw`` and its on-node share at ``intra_bw`` (`all_to_all_time`).
+
+Latency of a cross-node ring: of its ``p-1`` steps only ``N-1`` cross a node boundary
+(``N = ceil(p/k)`` nodes); the other ``p-N`` are NVLink hops.  This is NCCL's own cost
+model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel: ring latency
+``(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`` with ``nsteps = nRanks-1``,
+``nInterSteps = nNodes-1`` for all-gather / reduce-scatter), i.e. the hierarchical
+(NVLink inside, network between nodes) shape of the ring.  `Link.alpha` is the per-step
+average, so ``(p-1) * alpha`` is that sum; a point-to-point transfer to another node pays
+the full network latency (`Link.p2p_alpha`).
 """
 from __future__ import annotations
 
@@ -73,10 +82,11 @@ class Link:
     NVLink, or its own NIC when the peer is on another node)."""
 
     bw: np.ndarray
-    alpha: np.ndarray
+    alpha: np.ndarray          # per ring step (the NCCL-style average over NVLink and network steps)
     intra: np.ndarray
     per_node: np.ndarray
     p2p_bw: np.ndarray
+    p2p_alpha: np.ndarray      # one point-to-point transfer: the link it crosses
 
 
 def link_params(hw, coeffs) -> dict[str, float]:
@@ -100,11 +110,16 @@ def group_link(degree, stride, hw, coeffs) -> Link:
     k = np.maximum(1, gpn // np.maximum(stride, 1))
     cross_bw = np.minimum(k * lp["inter_bw"], lp["intra_bw"])
     bw = np.where(intra, lp["intra_bw"], cross_bw)
-    alpha = np.where(intra, lp["intra_alpha"], lp["inter_alpha"])
     per_node = np.where(intra, degree, np.minimum(k, degree))
+    # NCCL ring latency (module docstring): N-1 network steps and p-N NVLink steps of p-1
+    nodes = np.ceil(degree / np.maximum(per_node, 1))
+    steps = np.maximum(degree - 1, 1)
+    ring_alpha = ((degree - nodes) * lp["intra_alpha"] + (nodes - 1) * lp["inter_alpha"]) / steps
+    alpha = np.where(intra, lp["intra_alpha"], ring_alpha)
+    p2p_alpha = np.where(intra, lp["intra_alpha"], lp["inter_alpha"])
     p2p_bw = np.where(intra, lp["intra_bw"], lp["inter_bw"])
     return Link(bw=bw.astype(np.float64), alpha=alpha.astype(np.float64), intra=intra, per_node=per_node,
-                p2p_bw=p2p_bw.astype(np.float64))
+                p2p_bw=p2p_bw.astype(np.float64), p2p_alpha=p2p_alpha.astype(np.float64))
 
 
 def axis_links(table, hw, coeffs) -> dict[str, Link]:

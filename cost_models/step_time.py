@@ -80,8 +80,8 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     # CP ring attention (Liu et al. 2023, arXiv:2310.01889): cp-1 steps, each passing the K/V chunk
     # forward and K/V plus dK/dV backward, overlapped with the step's attention compute.
     kv_bytes = tokens * (d_k + d_v) / tp * r.elt
-    step_f = p2p_time(kv_bytes, cp_link.p2p_bw, cp_link.alpha)
-    step_b = p2p_time(2 * kv_bytes, cp_link.p2p_bw, cp_link.alpha)
+    step_f = p2p_time(kv_bytes, cp_link.p2p_bw, cp_link.p2p_alpha)
+    step_b = p2p_time(2 * kv_bytes, cp_link.p2p_bw, cp_link.p2p_alpha)
     cp_f = (cp - 1) * np.maximum(0.0, step_f - coeffs.cp_overlap * a_fwd / cp)
     cp_b = (cp - 1) * np.maximum(0.0, step_b - coeffs.cp_overlap * a_bwd / cp)
     cp_f, cp_b = np.where(cp > 1, cp_f, 0.0), np.where(cp > 1, cp_b, 0.0)
@@ -288,7 +288,7 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way
     ppl = links["pp"]
     sp = table.tp if workload.sequence_parallel else 1
-    p2p = p2p_time(table.microbatch * workload.seq_len / table.cp * model.dim * r.elt / sp, ppl.p2p_bw, ppl.alpha)
+    p2p = p2p_time(table.microbatch * workload.seq_len / table.cp * model.dim * r.elt / sp, ppl.p2p_bw, ppl.p2p_alpha)
     pp_p2p = np.where(table.pp > 1, 2.0 * (nmb * table.stages_per_rank + table.pp - 1) * p2p, 0.0)
 
     # CPU hosts running more processes than cores: the work of each process takes longer

@@ -38,3 +38,17 @@ def test_dense_fsdp_pays_one_ring_per_block_not_an_empty_expert_ring():
     ag_h, rs_h = (ring_gather_time(512, head * b, fs.bw, fs.alpha) for b in (2.0, 4.0))
     n = model.n_layers
     assert dp[0] == pytest.approx(float(np.ravel((n + 1) * (ag + rs) + ag_h + rs_h)[0]), rel=1e-9)
+
+
+def test_cross_node_ring_latency_counts_network_steps_only_at_node_boundaries():
+    """NCCL's ring model (src/graph/tuning.cc): of p-1 steps, nNodes-1 cross the network."""
+    from cost_models.comm import group_link, link_params
+    hw, coeffs = load_hardware("h100-sxm"), Coefficients()
+    lp = link_params(hw, coeffs)
+    dense = group_link(np.array([512]), np.array([1]), hw, coeffs)        # 8 members per node, 64 nodes
+    assert 511 * dense.alpha[0] == pytest.approx(448 * lp["intra_alpha"] + 63 * lp["inter_alpha"])
+    assert dense.p2p_alpha[0] == pytest.approx(lp["inter_alpha"])
+    strided = group_link(np.array([64]), np.array([8]), hw, coeffs)       # one member per node
+    assert strided.alpha[0] == pytest.approx(lp["inter_alpha"])
+    inside = group_link(np.array([8]), np.array([1]), hw, coeffs)
+    assert inside.alpha[0] == inside.p2p_alpha[0] == pytest.approx(lp["intra_alpha"])
