@@ -39,7 +39,11 @@ framework):
   and `tie_embeddings` where the family differs from Llama's (MPT: gelu, layernorm, tied).
 * hardware: A100 40GB -> a100-40g; B200 -> b200; H800 -> the h800 preset if one exists (else
   the row is not expressible).
-* `measured.step_time_s` is turned into tokens/s/GPU as global_batch * seq_len / (t * GPUs).
+* `measured.step_time_s` is turned into tokens/s/GPU as global_batch * seq_len / (t * GPUs), and
+  `measured.tokens_per_sec_total` (the whole job's) as that / GPUs.
+* nemo-megatron-2022 (NeMo Megatron 22.09 launcher configs, A100): the Megatron rules with the
+  Korthikanti regime (fused softmax, i.e. materialized attention, and dropout; sequence parallel as
+  the config says), no TP overlap (userbuffers came later).
 * mbridge / nemo / Korthikanti rows follow the Megatron rules above (nemo: NeMo 2.0's performance
   recipes turn TP communication overlap on, as mbridge's do -> tp_overlap = 1).  composer-fsdp (MosaicML's
   llm-foundry benchmarks: Composer + PyTorch FSDP1) and llama3-meta (the Llama 3 paper: "DP
@@ -87,7 +91,8 @@ NOT_EXPRESSIBLE = {
 
 EXTRA_PATH = Path(__file__).resolve().parent / "reference_extra.yaml"
 SETS = ("shared", "extra")
-MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo")
+MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo", "nemo-megatron-2022")
+MATERIALIZED = ("korthikanti", "nemo-megatron-2022")   # 2022 Megatron stacks: fused softmax (no flash), dropout
 FSDP_STACKS = ("torchtitan", "composer-fsdp", "llama3-meta")
 
 
@@ -206,12 +211,13 @@ def build_case(row) -> Case:
     if pp > 1 and vpp and int(vpp) > 1:
         schedule, v = "Interleaved1F1B", int(vpp)
     korthikanti = source == "korthikanti"
+    materialized = source in MATERIALIZED
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
     zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
     compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
     workload = Workload(seq_len=seq, global_batch=gb, state_layout=state, zero=zero,
-                        attention_impl="materialized" if korthikanti else "fused", dropout=korthikanti,
-                        sequence_parallel=bool(par.get("sequence_parallel", True) if korthikanti else True),
+                        attention_impl="materialized" if materialized else "fused", dropout=materialized,
+                        sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
                         selective_ac="attention" if megatron else "op")
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
     if dp * mb == 0 or gb % (dp * mb):
@@ -225,6 +231,8 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = gb * seq / (float(meas["step_time_s"]) * count)
     elif "tokens_per_sec_per_gpu" in meas:
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec_per_gpu"])
+    elif "tokens_per_sec_total" in meas:
+        measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec_total"]) / count
     elif "tokens_per_sec" in meas:   # the async-TP table: header says tokens/sec, magnitude is per GPU
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec"])
     elif "tflops_per_gpu" in meas:
