@@ -222,17 +222,24 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
         head = model.vocab_size * model.dim / table.tp.astype(np.float64)       # the root unit (LM head)
         ag_h = ring_gather_time(fsdp_n, head * r.elt, fs.bw, fs.alpha)
         rs_h = ring_gather_time(fsdp_n, head * 4.0, fs.bw, fs.alpha)
-        fwd_pass = (ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
-                    + np.maximum(0.0, ag_h - ov * st["head_F"]))
-        rs_pass = (rs + nblocks * np.maximum(0.0, rs + ar - ov * st["blockBW"])
-                   + np.maximum(0.0, rs_h - ov * st["head_BW"]))
-        ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])
         # the V schedules run with resharding off: the executor keeps their parameters gathered
         # (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; executor/parallel/pipeline.py)
         v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
         rsf = (table.reshard_after_forward & ~v_sched).astype(np.float64)
-        dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass + rsf * ag_b_pass),
-                      fwd_pass + rs_pass + rsf * nmb * ag_b_pass)
+        # Per block, in its compute window (Zhao et al. 2023, Sec. 3.4, Fig. 6: forward all-gather of
+        # the next block, backward all-gather of the previous block and reduce-scatter of this one's
+        # gradients).  Collectives of one window share the same links (FSDP2 issues them on separate
+        # streams, NCCL runs them concurrently over the same NICs), so what a window cannot hide is
+        # the SUM of its collectives less the window's compute -- not each one against it alone.
+        # Deeper prefetching does not change the steady state: the link stays serial, so a block whose
+        # collectives outlast its compute exposes the difference however early they are issued.
+        fwd_pass = (ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
+                    + np.maximum(0.0, ag_h - ov * st["head_F"]))
+        rs_pass = (rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])
+                   + np.maximum(0.0, rs_h - ov * st["head_BW"]))         # a backward with its reduce-scatter
+        ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
+        dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass),
+                      fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass)
         dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
         opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
     else:

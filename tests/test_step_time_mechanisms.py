@@ -52,3 +52,26 @@ def test_cross_node_ring_latency_counts_network_steps_only_at_node_boundaries():
     assert strided.alpha[0] == pytest.approx(lp["inter_alpha"])
     inside = group_link(np.array([8]), np.array([1]), hw, coeffs)
     assert inside.alpha[0] == inside.p2p_alpha[0] == pytest.approx(lp["intra_alpha"])
+
+
+def test_backward_window_hides_the_sum_of_its_collectives_not_each_alone():
+    """FSDP2 with resharding: in a block's backward the re-gather of the next block and the reduce-scatter
+    of this one share the links, so the window exposes max(0, ag + rs - compute) even when each of them
+    alone would hide (Zhao et al. 2023, Sec. 3.4)."""
+    import dataclasses
+    model = load_model("llama3-8b")
+    hw = dataclasses.replace(load_hardware("h100-sxm"), inter_node_bw_gbs=6.0)
+    wl = Workload(seq_len=8192, global_batch=64)
+    coeffs = Coefficients()
+    t = CandidateTable.from_plans([Plan(dp_shard=64, microbatch=1, n_microbatches=1, ac="full")])
+    r, links, st = _parts(t, model, hw, wl, coeffs)
+    fs = links["fsdp"]
+    blk = rank_params(t, model)["dense_block"]
+    ag, rs = (ring_gather_time(64, blk * b, fs.bw, fs.alpha)[0] for b in (2.0, 4.0))
+    window = st["blockBW"][0]
+    assert ag < window and rs < window < ag + rs        # each alone hides, together they do not
+    on, _ = S.data_parallel(t, model, hw, wl, coeffs, links, r, st)
+    off_t = CandidateTable.from_plans([Plan(dp_shard=64, microbatch=1, n_microbatches=1, ac="full",
+                                            reshard_after_forward=False)])
+    off, _ = S.data_parallel(off_t, model, hw, wl, coeffs, links, r, st)
+    assert on[0] - off[0] == pytest.approx(model.n_layers * (ag + rs - window), rel=1e-6)
