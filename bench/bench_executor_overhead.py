@@ -40,7 +40,7 @@ def main() -> None:
     from executor.config import load_run_config
     from executor.data import build_batches
     from executor.launch import single_process_env
-    from executor.metrics import flops_per_token
+    from cost_models.flops import flops_per_token
     from executor.models.llama import Transformer
     from executor.train import lr_lambda, run_one_step, setup
 

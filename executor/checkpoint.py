@@ -28,17 +28,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .checkpoint_files import (FORMAT, CheckpointError, check_compatible, checkpoint_folder, dcp_load, finalize,
                                log, model_fingerprint, newest_good, read_meta, resolve, step_name)
+from .checkpoint_writer import BackgroundWriter
+from .faults import kill_due, sigkill_self
 
 
 # --------------------------------------------------------------------------- what is saved
@@ -60,7 +64,6 @@ def model_view(stages: list[tuple[int, nn.Module]]) -> nn.Module:
 
 def collect(tr) -> tuple[dict, dict]:
     """(DCP state: tensors only, optimizer param_groups) for this rank."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model_view(tr.stages), tr.optimizer)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -83,36 +86,6 @@ def restore_scheduler(tr, sd: dict) -> None:
     for g, lr in zip(tr.optimizer.param_groups, lrs):
         g["lr"] = lr
     s._last_lr = lrs
-
-
-# --------------------------------------------------------------------------- test hooks
-def kill_due(rank: int, step: int, run_dir: Path, where: str = "step") -> bool:
-    """Test hook TITAN_RUN_KILL="rank:step" (SIGKILL before that step) or "rank:step:save" (inside the save
-    of that step, after the shards were written, before COMPLETE): True when it fires here, once -- a
-    marker file under the run dir stops it from firing again after an elastic restart."""
-    spec = os.environ.get("TITAN_RUN_KILL")
-    if not spec:
-        return False
-    parts = spec.split(":")
-    want_where = parts[2] if len(parts) > 2 else "step"
-    if (parts[0], parts[1], want_where) != (str(rank), str(step), where):
-        return False
-    marker = Path(run_dir) / f".titan-kill-{rank}-{step}-{where}.done"
-    if marker.exists():
-        return False
-    marker.write_text(str(time.time()))
-    return True
-
-
-def sigkill_self() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def maybe_kill(rank: int, step: int, run_dir: Path, where: str = "step") -> None:
-    if kill_due(rank, step, run_dir, where):
-        sigkill_self()
 
 
 def elastic_restart_count() -> int:
@@ -141,7 +114,6 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
         self.writer = None
         if self.enabled and t.async_checkpoint:
-            from .checkpoint_writer import BackgroundWriter
             self.writer = BackgroundWriter(group=None)   # starts now; resume() waits until it is ready
 
     # ---- resume
@@ -188,7 +160,6 @@ class Checkpointer:
         return self.load(Path(value))
 
     def load(self, path: Path) -> int:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
         t0 = time.perf_counter()
         tr, meta = self.tr, read_meta(path)
         kind = meta.get("kind", "train")
@@ -257,8 +228,6 @@ class Checkpointer:
                                        "cpu_share": self.tr.cfg.train.async_checkpoint_cpu_share})
             self._pending = step
         else:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint import FileSystemWriter
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
             if kill:
                 sigkill_self()

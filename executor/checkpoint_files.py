@@ -42,9 +42,14 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from . import safe_pickle
 from .config import ConfigError
+from .models.llama import Transformer
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -63,7 +68,6 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- identity
 def model_fingerprint(spec) -> str:
     """sha256 (16 hex) of the sorted (fqn, shape) list of the plain model: layout-independent."""
-    from .models.llama import Transformer
     with torch.device("meta"):
         model = Transformer(spec)
     items = sorted((n, list(p.shape)) for n, p in model.named_parameters())
@@ -230,14 +234,10 @@ def safe_unpickle(data: bytes):
 
 
 def _reader_classes():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     class SafeReader(FileSystemReader):
         """FileSystemReader whose `.metadata` is decoded by safe_pickle (nothing in it is called)."""
 
         def read_metadata(self, *args, **kwargs):
-            from torch.distributed.checkpoint.metadata import StorageMeta
             path = Path(self.path) / ".metadata"
             meta = safe_unpickle(path.read_bytes())
             if getattr(meta, "storage_meta", None) is None:
@@ -254,7 +254,6 @@ def _reader_classes():
 
 
 def dcp_load(state: dict, path: Path, *, no_dist: bool = False) -> None:
-    import torch.distributed.checkpoint as dcp
     reader_cls, planner_cls = _reader_classes()
     with warnings.catch_warnings():     # no_dist: "torch.distributed is disabled ... single process"
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -62,6 +62,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.tensor import DTensor
 
 from .checkpoint_files import CheckpointError, finalize, manifest
 
@@ -115,7 +119,6 @@ def _shared_buffers(tensors: list[tuple[tuple, torch.Tensor]]) -> list[tuple[tup
 
 def _state_from(items: list[tuple[tuple, torch.Tensor, object]]) -> dict:
     """Writer side: the nested state dict of DTensors / tensors around the shared buffers."""
-    from torch.distributed.tensor import DTensor
     state: dict = {}
     for path, buf, spec in items:
         # DTensor's own constructor keeps the spec (mesh, placements, global shape) and, unlike
@@ -296,8 +299,6 @@ class _Pacer:
 
 @functools.cache
 def _paced_planner_class():
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
     class PacedSavePlanner(DefaultSavePlanner):
         """DCP's default planner (global plan cached: the writer saves the same structure every time) that
         lets the pacer pause before each item is serialized (DCP resolves items one by one as it writes)."""
@@ -314,8 +315,6 @@ def _paced_planner_class():
 
 
 def _write(state: dict, job: dict, rank: int) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
     t0, c0 = time.perf_counter(), time.process_time()
     pacer = _Pacer(job.get("cpu_share", 1.0))
     for path, value in job["extras"]:
@@ -381,4 +380,4 @@ def _writer_main(conn, rank: int, world: int, host: str, port: int, parent: int)
         dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)                             # no interpreter teardown (gloo teardown crash, TORCH_ON_CPU.md)
+        os._exit(0)                             # no interpreter teardown (gloo teardown crash, docs/torch_on_cpu.md §1)

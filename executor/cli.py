@@ -20,8 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, load_run_config
+from search_spaces.plan import Plan
+
+from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
+from .elastic import launcher_world, load_elastic_config
 from .launch import is_worker, run_torchrun, single_process_env
+
+# This module is the launcher: `titan-run --help` and bad-input errors must not pay for importing
+# torch (seconds).  So the modules that import torch (self_test, checkpoint_files, mesh, train,
+# dry_run, export, torch itself) are imported where they are used, each marked "torch: launcher path".
 
 EXIT_BAD_INPUT = 2
 
@@ -71,8 +78,6 @@ def cpu_default_nproc(args) -> int:
     """Without a GPU: the plan file's world size, or 2 processes for the default layout."""
     if args.plan and not args.self_test:
         try:
-            from .config import apply_overrides, parse_overrides, read_plan_file
-            from search_spaces.plan import Plan
             raw = apply_overrides(read_plan_file(args.plan), parse_overrides(args.set))
             return Plan.from_dict(raw.get("plan") or {}).world_size
         except (ValueError, TypeError):
@@ -91,27 +96,25 @@ def fail(msg: str) -> int:
 
 def load_config(args, world_size: int):
     if args.self_test:
-        from .self_test import self_test_config
+        from .self_test import self_test_config  # torch: launcher path
         return self_test_config(args.plan, args.set, world_size)
     if args.nnodes or args.fallback_plan:      # elastic: the world may not be the plan's (executor/elastic.py)
-        from .elastic import load_elastic_config
         return load_elastic_config(args, world_size)
     return load_run_config(args.plan, args.set, world_size=world_size, steps=args.steps)
 
 
 # --------------------------------------------------------------------------- launcher side
 def launcher_main(args, argv: list[str]) -> int:
-    import torch
+    import torch  # torch: launcher path (not needed by --help and argument errors)
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = args.nproc or (n_gpu if n_gpu else cpu_default_nproc(args))
     if n_gpu and nproc > n_gpu:
         return fail(f"--nproc-per-node {nproc} is more than the {n_gpu} GPUs of this node")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     try:
-        from .elastic import launcher_world
         cfg = load_config(args, launcher_world(args, nproc))
         if not args.self_test and cfg.train.resume:   # a missing / foreign checkpoint is bad input (exit 2)
-            from .checkpoint_files import check_resume
+            from .checkpoint_files import check_resume  # torch: launcher path
             check_resume(cfg, run_dir)
     except (ConfigError, ValueError) as e:
         return fail(str(e))
@@ -168,17 +171,16 @@ def worker_main(args) -> int:
             fail(str(e))
         os._exit(EXIT_BAD_INPUT)
 
-    from .mesh import init_distributed
-    from .train import print_error
+    from .mesh import init_distributed  # torch: launcher path (this module is also the launcher)
+    from .train import print_error, train  # torch: launcher path
     run_dir = None
     try:
         init_distributed(cfg.train.pg_timeout_s)
         run_dir = shared_run_dir(args.run_dir)
         if args.self_test:
-            from .self_test import run_self_test
+            from .self_test import run_self_test  # torch: launcher path
             code = 0 if run_self_test(cfg) else 1
         else:
-            from .train import train
             train(cfg, run_dir)
             code = 0
     except BaseException as e:     # noqa: BLE001 - report, then leave without waiting for peers
@@ -191,7 +193,7 @@ def worker_main(args) -> int:
 
 
 def shared_run_dir(given: str | None) -> Path:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch: launcher path
     if given:
         return Path(given)
     box = [str(default_run_dir().resolve())]
@@ -211,7 +213,7 @@ def write_rank_error(run_dir: Path, rank: int, e: BaseException) -> None:
 
 def finish(code: int):
     """barrier -> destroy the process group -> flush -> os._exit (avoids the gloo teardown abort)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch: launcher path
     try:
         if dist.is_initialized():
             dist.barrier()
@@ -225,10 +227,10 @@ def finish(code: int):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:   # one process, fake process group of the target world: see executor/dry_run.py
-        from .dry_run import main as dry_run_main
+        from .dry_run import main as dry_run_main  # torch: launcher path
         return dry_run_main([a for a in argv if a != "--dry-run"])
     if argv and argv[0] in ("export", "import"):   # safetensors export/import: see executor/export.py
-        from .export import main as export_main
+        from .export import main as export_main  # torch: launcher path
         return export_main(argv)
     args = parse_args(argv)
     if is_worker():

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .tokenizer import load_tokenizer
+
 
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -141,7 +143,6 @@ class PackedBatches:
 
 
 def build_batches(cfg, dp_rank: int, dp_size: int) -> PackedBatches:
-    from .tokenizer import load_tokenizer
     tok = load_tokenizer(cfg.train.tokenizer)
     if tok.vocab_size > cfg.spec.vocab_size:
         raise ValueError(f"tokenizer '{tok.name}' has {tok.vocab_size} tokens, more than the model's "

@@ -27,48 +27,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _redistribute
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from search_spaces.planfile import read_plan_file
 
 from .config import ConfigError, load_run_config
+from .dry_run_step import fake_step_peak
+from .mesh import build_meshes
+from .parallel import build_model_parts, resolve_precision
 
 
 def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def _precision(cfg):
-    """bf16 compute with fp32 master weights (the accelerator target) unless the run or workload says fp32."""
-    from .parallel import Precision
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = cfg.resolved.get("workload", {}).get("dtype", "bf16")
-    return (Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
-            else Precision(param_dtype=torch.float32, reduce_dtype=torch.float32))
-
-
 def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from .mesh import build_meshes
-    from .parallel import parallelize
-    from .models.llama import Transformer
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         plan = cfg.plan
         meshes = build_meshes(plan, "cpu")
-        precision = _precision(cfg)
-        with torch.device("meta"):
-            model = Transformer(cfg.spec)
-        if plan.pp > 1:
-            from .parallel.pipeline import pipeline_split
-            stages = pipeline_split(model, plan, meshes.pp)
-        else:
-            stages = [(0, model)]
-        for _, module in stages:
-            parallelize(module, plan, meshes, precision=precision, backend="dtensor")
+        # bf16 compute with fp32 master weights (the accelerator target) unless the run or workload says fp32
+        precision = resolve_precision(cfg, accelerator=True)
+        stages = build_model_parts(cfg.spec, plan, meshes, precision=precision, backend="dtensor")
         params = [p for _, m in stages for p in m.parameters()]
         n_local = sum(_local_numel(p) for p in params)
         trainable = sum(_local_numel(p) for p in params if p.requires_grad)
@@ -86,7 +68,6 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
         }
         out["state_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]
         if memory:
-            from .dry_run_step import fake_step_peak
             est, modelled = fake_step_peak(stages, cfg, meshes, precision)
             out["memory_estimate"] = est
             out["memory_model"] = modelled
@@ -103,8 +84,6 @@ def _forget_meshes() -> None:
     from the previous rank's fake world would send the next rank's collectives to a destroyed
     group (``RuntimeError: Could not resolve the process group registered under the name 15``).
     """
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     _clear_sharding_prop_cache()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
@@ -126,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         given = read_plan_file(args.plan)["plan"]
-        world = args.world or given.world_size
+        world = args.world if args.world is not None else given.world_size   # --world 0 is refused
         note = None
         if given.float8 and importlib.util.find_spec("torchao") is None:
             # Float8Linear keeps the high-precision weights: the state bytes do not depend on float8

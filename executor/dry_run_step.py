@@ -43,6 +43,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from cost_models.memory import in_flight_microbatches
+from search_spaces.table import CandidateTable
+
+from .parallel.context_parallel import head_tail_indices
+from .parallel.pipeline import build_schedule
+from .parallel.tensor_parallel import cross_entropy, loss_parallel
+from .train import build_optimizer
 
 __all__ = ["fake_step_peak", "rank_actions"]
 
@@ -92,7 +104,6 @@ def rank_actions(plan, stages, schedule=None, pp_rank: int = 0) -> list[tuple[st
 
 def _fsdp_no_sync(module: nn.Module) -> None:
     """What the pipeline stage does before each backward (stage.backward_maybe_with_nosync)."""
-    from torch.distributed.fsdp import FSDPModule
     if isinstance(module, FSDPModule):
         module.set_is_last_backward(False)
         module.set_reshard_after_backward(False)
@@ -101,7 +112,6 @@ def _fsdp_no_sync(module: nn.Module) -> None:
 
 def _fsdp_reduce_grad(module: nn.Module) -> None:
     """What the pipeline stage does after the stage's last backward (stage.perform_reduce_grad)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
     if not isinstance(module, FSDPModule):
         return
     module.set_is_last_backward(True)
@@ -116,10 +126,6 @@ def _fsdp_reduce_grad(module: nn.Module) -> None:
 
 def _tracker(stages, optimizer):
     """FSDPMemTracker over all of the rank's stage modules (plain MemTracker when FSDP is not applied)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
     mods = [m for _, m in stages]
     fsdp = [m for m in mods if isinstance(m, FSDPModule)]
     if not fsdp:
@@ -147,8 +153,6 @@ class _Replay(nn.Module):
 
 def _in_flight_cost_model(plan, pp_rank: int) -> float | None:
     """The analytic model's in-flight micro-batches for the first / last pipeline rank (None in between)."""
-    from cost_models.memory import in_flight_microbatches
-    from search_spaces.table import CandidateTable
     first, last = in_flight_microbatches(CandidateTable.from_plans([plan]))
     if pp_rank == 0:
         return float(first[0])
@@ -206,15 +210,9 @@ def _replay(actions, mods: dict[int, nn.Module], plan, *, tokens, labels, positi
 
 def fake_step_peak(stages, cfg, meshes, precision) -> tuple[dict[str, float], dict[str, Any]]:
     """(peak bytes by tracker category incl. 'total', what was modelled) for one step of this rank."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .parallel.tensor_parallel import cross_entropy, loss_parallel
-    from .train import build_optimizer
-
     plan = cfg.plan
     seq_local = cfg.seq_len // plan.cp
     if plan.cp > 1:
-        from .parallel.context_parallel import head_tail_indices
         positions = head_tail_indices(cfg.seq_len, plan.cp, meshes.cp.get_local_rank())
     else:
         positions = torch.arange(cfg.seq_len)
@@ -227,7 +225,6 @@ def fake_step_peak(stages, cfg, meshes, precision) -> tuple[dict[str, float], di
             m.to_empty(device="cpu")
         schedule = None
         if plan.pp > 1:
-            from .parallel.pipeline import build_schedule
             runner = build_schedule(stages, plan, meshes.pp, cross_entropy, "cpu", step_context=loss_ctx)
             schedule = runner.schedule
         actions = rank_actions(plan, stages, schedule, pp_rank)

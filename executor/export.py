@@ -37,9 +37,13 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+
+from cost_models.specs import load_model
 
 from .checkpoint_files import (FORMAT, MARKER, META, CheckpointError, dcp_load, manifest, model_fingerprint, problem,
                                read_meta)
+from .models.llama import Transformer
 
 _LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -99,6 +103,7 @@ def _needs_rope_permute(fqn: str) -> bool:
 
 def _safetensors():
     try:
+        # optional package (the export extra): only export/import need it
         import safetensors.torch as st
     except ImportError:
         raise CheckpointError("export/import needs the 'safetensors' package: pip install safetensors "
@@ -107,7 +112,6 @@ def _safetensors():
 
 
 def _plain_shapes(spec) -> dict[str, torch.Size]:
-    from .models.llama import Transformer
     if spec.is_moe:
         raise CheckpointError(f"model '{spec.name}' is a mixture-of-experts model: safetensors export/import "
                               "covers dense Llama models only")
@@ -120,7 +124,6 @@ def _plain_shapes(spec) -> dict[str, torch.Size]:
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> dict:
-    from cost_models.specs import load_model
     st = _safetensors()
     why = problem(checkpoint)
     if why is not None:
@@ -145,8 +148,6 @@ def export_checkpoint(checkpoint: Path, out: Path) -> dict:
 
 
 def import_safetensors(src: Path, model: str, out: Path) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from cost_models.specs import load_model
     st = _safetensors()
     spec = load_model(model)
     shapes = _plain_shapes(spec)

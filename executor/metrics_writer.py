@@ -1,8 +1,8 @@
 """Where per-step records go: ``metrics.jsonl``, a console progress line, TensorBoard.
 
 Rank 0 writes; the records themselves are made by ``train.py`` from the
-measurements of ``metrics.py``.  After a resume (``titan-run --resume``, an
-elastic restart) the file keeps the records up to the resumed step and the
+measurements of ``metrics.py``, ``comm_timer.py`` and ``cpu_memory.py``.  After a
+resume (``titan-run --resume``, an elastic restart) the file keeps the records up to the resumed step and the
 new ones are appended (:func:`keep_records_up_to`).
 """
 from __future__ import annotations
@@ -54,6 +54,7 @@ class MetricsWriter:
         self._tb = None
         if enabled and tensorboard:
             try:
+                # optional package (tensorboard): imported only when train.tensorboard is on
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
             except Exception:   # tensorboard not installed: JSONL only

@@ -4,10 +4,11 @@ For every mesh axis (pp, dp_replicate, dp_shard, cp, tp), every flattened
 view (dp, dp_shard_cp, dp_cp) and, when plan.ep > 1, the expert-parallel
 groups carved out of dp_shard x cp (ep, efsdp): the axis's process group has the ranks the
 mesh says, and an ``all_reduce`` and an ``all_gather`` of each rank's global
-rank give the expected values.  Then the model is built on the meta device and
-parallelized as the plan says (pipeline split, TP, EP, FSDP): every parameter's
-local shard shape must equal the one computed by hand from the plan.  A
-verdict per axis is printed by rank 0; the exit code is non-zero on failure.
+rank give the expected values.  Then the model parts are built on the meta device
+as a run builds them (``parallel.build_model_parts``: pipeline split, TP, CP, EP,
+AC, compile, FSDP): every parameter's local shard shape must equal the one
+computed by hand from the plan.  A verdict per axis is printed by rank 0; the
+exit code is non-zero on failure.
 
 Without ``--plan``, the layout uses the local world: tp, dp_shard, pp, cp and
 dp_replicate get a factor 2 in that order while the world allows (8 processes:
@@ -19,10 +20,14 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from .comm_timer import all_gather_flat
 from .config import ConfigError, load_run_config
+from .init import clean_fqn
 from .mesh import AXES, FLAT_AXES, build_meshes
-from .metrics import all_gather_flat
+from .models.llama import Transformer
+from .parallel import Precision, build_model_parts, tp_shards_embedding
 
 _ORDER = ("tp", "dp_shard", "pp", "cp", "dp_replicate")
 
@@ -114,37 +119,20 @@ def expected_local_shape(fqn: str, shape: torch.Size, plan, meshes, shard_embedd
 
 
 def check_shards(cfg, meshes) -> tuple[bool, str]:
-    from torch.distributed.tensor import DTensor
-
-    from .init import clean_fqn
-    from .models.llama import Transformer
-    from .parallel import Precision, tp_shards_embedding, uses_fsdp
-    from .parallel.expert_parallel import apply_ep
-    from .parallel.fsdp import apply_fsdp
-    from .parallel.tensor_parallel import apply_tp
+    """The model parts built as a run builds them (``parallel.build_model_parts``, on the meta device, fp32,
+    the dtensor backend) against the shard shapes computed by hand from the full model's."""
     plan = cfg.plan
     with torch.device("meta"):
-        model = Transformer(cfg.spec)
+        model = Transformer(cfg.spec)        # the unsplit, unsharded reference
     full = {n: p.shape for n, p in model.named_parameters()}
     moe_prefixes = tuple(f"layers.{k}.feed_forward." for k, b in model.layers.items()
                          if getattr(b, "moe_enabled", False))
-    stages = [(0, model)]
     notes = []
-    if plan.pp > 1:
-        from .parallel.pipeline import pipeline_split
-        stages = pipeline_split(model, plan, meshes.pp)
-    precision = Precision(torch.float32, torch.float32)
+    stages = build_model_parts(cfg.spec, plan, meshes, precision=Precision(torch.float32, torch.float32),
+                               backend="dtensor")
     bad, n = [], 0
     layers_here = []
     for _, module in stages:
-        if plan.tp > 1:
-            apply_tp(module, meshes.tp, shard_embedding=tp_shards_embedding(plan))
-        if plan.ep > 1:
-            apply_ep(module, meshes.ep)
-        if uses_fsdp(plan, precision):
-            apply_fsdp(module, meshes.fsdp, param_dtype=torch.float32, reduce_dtype=torch.float32,
-                       reshard_after_forward=True, expert_mesh=meshes.expert_fsdp if plan.ep > 1 else None,
-                       expert_divide_factor=plan.dp_replicate * plan.dp_shard * plan.cp)
         layers_here += list(module.layers.keys())
         for name, p in module.named_parameters():
             fqn = clean_fqn(name)

@@ -32,6 +32,7 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path):
         try:
+            # optional package (Hugging Face tokenizers): only tokenizer.json files need it
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError(f"tokenizer '{path}' is a tokenizer.json, which needs the 'tokenizers' package "

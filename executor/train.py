@@ -4,7 +4,8 @@
 
 1. process group, device, mesh (``executor.mesh``)
 2. model on the meta device -> pipeline split -> parallelize (TP/SP, CP, EP,
-   AC, compile, FSDP) -> ``to_empty`` -> layout-independent init
+   AC, compile, FSDP) -> ``to_empty`` -> layout-independent init: one call,
+   ``parallel.build_model_parts`` (the dry run and the self-test use the same)
 3. AdamW + linear warmup / cosine LR
 4. data: packed sequences, sharded by dp rank
 5. the loop: batch -> forward/backward (gradient accumulation, or the
@@ -25,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,19 +35,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import Checkpointer, maybe_kill
+from cost_models.flops import flops_per_token
+
+from . import faults
+from .checkpoint import Checkpointer
+from .comm_timer import CommTimer, all_gather_flat
 from .config import RunConfig, dump_resolved
+from .cpu_memory import CpuPeakMemory, training_state_bytes
 from .data import PackedBatches, build_batches
-from .init import init_weights
 from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
-from .metrics import (CommTimer, CpuPeakMemory, all_gather_flat, flops_per_token, hardware_for_device, mfu,
-                      training_state_bytes)
+from .metrics import hardware_for_device, mfu
 from .metrics_writer import MetricsWriter
-from .models.llama import Transformer
 from .moe_step import (collect_step_stats, moe_layers, moe_params, set_aux_loss_scale, sum_moe_grads_over_tp,
                        update_expert_bias)
-from .parallel import Precision, parallelize, resolve_backend
+from .parallel import Precision, build_model_parts, resolve_backend, resolve_precision
+from .parallel.context_parallel import cp_shard_batch
 from .parallel.fsdp import spmd_batch, spmd_loss, spmd_typecheck
+from .parallel.pipeline import build_schedule
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
 
 COMM_AXES = AXES + FLAT_AXES + ("ep", "efsdp", "world", "self", "other")
@@ -72,37 +78,9 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- setup
-def resolve_precision(cfg: RunConfig, device: torch.device) -> Precision:
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = cfg.resolved.get("workload", {}).get("dtype", "bf16") if device.type == "cuda" else "fp32"
-    if dtype == "bf16":
-        return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return Precision(param_dtype=torch.float32, reduce_dtype=torch.float32)
-
-
 def loss_context(cfg: RunConfig):
     """`loss_parallel()` when the logits are vocab-sharded (tp > 1), else nothing."""
     return loss_parallel() if cfg.plan.tp > 1 else contextlib.nullcontext()
-
-
-def build_model(cfg: RunConfig, meshes: Meshes, device: torch.device, precision: Precision, backend: str
-                ) -> list[tuple[int, nn.Module]]:
-    plan = cfg.plan
-    with torch.device("meta"):
-        model = Transformer(cfg.spec)
-    init_rule = model.init_rule
-    if plan.pp > 1:
-        from .parallel.pipeline import pipeline_split
-        stages = pipeline_split(model, plan, meshes.pp)
-    else:
-        stages = [(0, model)]
-    for _, module in stages:
-        parallelize(module, plan, meshes, precision=precision, backend=backend)
-    for _, module in stages:
-        module.to_empty(device=device)
-        init_weights(module, init_rule, seed=cfg.train.seed, device=device)
-    return stages
 
 
 def build_optimizer(stages, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
@@ -142,15 +120,15 @@ def setup(cfg: RunConfig) -> Trainer:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     meshes = build_meshes(cfg.plan, device.type)
     torch.manual_seed(cfg.train.seed)
-    precision = resolve_precision(cfg, device)
+    precision = resolve_precision(cfg, accelerator=device.type == "cuda")
     backend = resolve_backend(cfg.plan, meshes, announce=dist.get_rank() == 0)
 
-    # 2. model: meta -> split -> parallelize -> materialize -> init
-    stages = build_model(cfg, meshes, device, precision, backend)
+    # 2. model: meta -> split -> parallelize -> materialize -> init (executor/parallel/parallelize.py)
+    stages = build_model_parts(cfg.spec, cfg.plan, meshes, precision=precision, backend=backend, device=device,
+                               seed=cfg.train.seed)
     params = [p for _, m in stages for p in m.parameters()]
     runner = None
     if cfg.plan.pp > 1:
-        from .parallel.pipeline import build_schedule
         runner = build_schedule(stages, cfg.plan, meshes.pp, cross_entropy, device,
                                 step_context=lambda: loss_context(cfg))
 
@@ -176,7 +154,6 @@ def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) ->
     if plan.pp > 1:
         positions = torch.arange(tokens.shape[1], device=tr.device)
         if plan.cp > 1:
-            from .parallel.context_parallel import cp_shard_batch
             tokens, labels, positions = cp_shard_batch(tokens, labels, meshes.cp)
         loss = tr.runner.step(tokens, labels, positions)
         return loss.float() if loss is not None else torch.zeros((), device=tr.device)
@@ -188,7 +165,6 @@ def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) ->
     for tok, lab in zip(tokens.chunk(n), labels.chunk(n)):     # gradient accumulation
         positions = None
         if plan.cp > 1:
-            from .parallel.context_parallel import cp_shard_batch
             tok, lab, positions = cp_shard_batch(tok, lab, meshes.cp)
         with loss_context(tr.cfg), (spmd_typecheck() if spmd else contextlib.nullcontext()):
             if spmd:      # spmd_types backend: typed batch, loss declared a pending dp reduction
@@ -288,7 +264,7 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
     if hw is not None:
         peak_flops = 1e12 * (hw.peak_tflops_bf16 if tr.precision.param_dtype == torch.bfloat16
                              else hw.peak_tflops_fp32)
-    fpt = flops_per_token(cfg.spec, cfg.seq_len)
+    fpt = float(flops_per_token(cfg.spec, cfg.seq_len))    # MFU from the cost model's one formula
     records = []
     ckpt = Checkpointer(tr, run_dir)        # executor/checkpoint.py: saves, resume, elastic restarts
     start = ckpt.resume()                    # 0, or the step of the loaded checkpoint
@@ -299,11 +275,8 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
                            tensorboard=cfg.train.tensorboard, resume_step=start)
     tr.comm.install()
     try:
-        fault = os.environ.get("TITAN_RUN_FAULT")      # test hook "rank:step": that rank raises there
         for step in range(start + 1, cfg.train.steps + 1):
-            if fault == f"{rank}:{step}":
-                raise RuntimeError(f"injected fault (TITAN_RUN_FAULT={fault})")
-            maybe_kill(rank, step, run_dir)             # test hook TITAN_RUN_KILL="rank:step": SIGKILL
+            faults.before_step(rank, step, run_dir)     # test hooks (TITAN_RUN_FAULT, TITAN_RUN_KILL)
             rec = run_one_step(tr, step, fpt, peak_flops)
             records.append(rec)
             if rank == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
@@ -393,7 +366,7 @@ def summarize(tr: Trainer, records: list[dict], hw) -> dict:
         "peak_memory_bytes_per_rank": per_rank_peak,
         "peak_memory_bytes": max(per_rank_peak) if per_rank_peak else None,
         "comm_s_per_step": {a: statistics.median(r["comm_s"].get(a, 0.0) for r in steady) for a in axes},
-        "comm_method": "exposed time in c10d/functional collectives per process group (executor/metrics.py)",
+        "comm_method": "exposed time in c10d/functional collectives per process group (executor/comm_timer.py)",
         **summarize_moe(steady),
     }
 
@@ -426,7 +399,6 @@ def write_rank_file(run_dir: Path, rank: int, tr: Trainer, records: list[dict]) 
 
 
 def print_error(rank: int, exc: BaseException) -> None:
-    import traceback
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tb.rstrip().splitlines()))
     sys.stderr.flush()

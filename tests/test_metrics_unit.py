@@ -1,5 +1,5 @@
-"""CPU peak memory from allocator events (executor/metrics.py)."""
-from executor.metrics import peak_of_allocations
+"""CPU peak memory from allocator events (executor/cpu_memory.py)."""
+from executor.cpu_memory import peak_of_allocations
 
 
 def test_peak_of_recorded_allocations_and_frees():

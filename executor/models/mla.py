@@ -34,12 +34,12 @@ from torch import nn
 
 from cost_models.specs import ModelSpec
 
+from .layers import CoreAttention, apply_rope
+
 
 class MLAttention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        from .llama import CoreAttention  # noqa: PLC0415 (shared causal SDPA core)
-
         self.q_lora_rank = spec.q_lora_rank
         self.kv_lora_rank = spec.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
@@ -59,8 +59,6 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [b, s, dim]; cos/sin [s, rope_dim/2] (RoPE tables of this rank's positions)."""
-        from .llama import apply_rope  # noqa: PLC0415
-
         b, s, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
         q = q.view(b, s, -1, self.qk_dim)                                   # [b, s, heads, d_n + d_r]

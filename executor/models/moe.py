@@ -35,6 +35,8 @@ from torch import nn
 
 from cost_models.specs import ModelSpec
 
+from .layers import FeedForward
+
 
 class Router(nn.Module):
     def __init__(self, spec: ModelSpec):
@@ -146,8 +148,6 @@ def _padded_bmm_swiglu(x, counts, w1, w2, w3):
 class MoEFeedForward(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        from .llama import FeedForward  # noqa: PLC0415 (shared SwiGLU)
-
         self.router = Router(spec)
         self.experts = GroupedExperts(spec.n_experts, spec.dim, spec.moe_ffn_hidden)
         self.shared_experts = (FeedForward(spec.dim, spec.moe_ffn_hidden * spec.n_shared_experts)

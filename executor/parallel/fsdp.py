@@ -34,9 +34,11 @@ missing-gradient-reduction bug it exists to catch.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -68,31 +70,36 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, 
 
 
 # --------------------------------------------------------------------------- spmd_types
+def _spmd():
+    """The spmd_types package, imported on first use: an optional package (the spmd extra)."""
+    import spmd_types
+    import spmd_types.checker  # noqa: F401 (typecheck)
+    return spmd_types
+
+
 def spmd_fsdp_supported() -> str | None:
     """None if FSDP2 + spmd_types can run here, else the reason it cannot."""
-    import inspect
     try:
-        import spmd_types  # noqa: F401
+        _spmd()
     except ImportError:
         return "spmd_types is not installed (pip install spmd-types)"
     if "dp_mesh_dims" not in inspect.signature(fully_shard).parameters:
         return "this torch's fully_shard has no dp_mesh_dims (spmd_types support needs torch >= 2.14)"
-    import torch.distributed as dist
     if not getattr(dist, "_is_spmd_types_available", lambda: False)():
         return "torch.distributed reports spmd_types unavailable"
     return None
 
 
 def _axes(mesh: DeviceMesh) -> dict:
-    import spmd_types as spmd
+    spmd = _spmd()
     return {name: spmd.MeshAxis.of(mesh.get_group(name)) for name in mesh.mesh_dim_names}
 
 
 def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: torch.dtype,
                     reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     """FSDP2 over the data-parallel axes of `spmd_mesh` (names dp_replicate and/or dp_shard) with typed params."""
-    import spmd_types as spmd
-    from torch.distributed.fsdp import DataParallelMeshDims
+    spmd = _spmd()
+    from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.14 only (spmd_fsdp_supported checks)
     names = spmd_mesh.mesh_dim_names
     axes = _axes(spmd_mesh)
     for p in model.parameters():
@@ -110,21 +117,20 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
 def spmd_typecheck():
     """spmd_types runtime type checking; permissive, so tensors made inside the model
     (RoPE tables from ``arange``) may stay unannotated."""
-    from spmd_types.checker import typecheck
-    with typecheck(strict_mode="permissive"):
+    with _spmd().checker.typecheck(strict_mode="permissive"):
         yield
 
 
 def spmd_batch(t: torch.Tensor, spmd_mesh: DeviceMesh) -> torch.Tensor:
     """Declare a batch tensor Varying (each dp rank holds different sequences)."""
-    import spmd_types as spmd
+    spmd = _spmd()
     spmd.assert_type(t, {a: spmd.V for a in _axes(spmd_mesh).values()})
     return t
 
 
 def spmd_loss(loss: torch.Tensor, spmd_mesh: DeviceMesh) -> torch.Tensor:
     """Varying per-rank loss -> Partial: the global loss is the (pending) reduction over the dp axes."""
-    import spmd_types as spmd
+    spmd = _spmd()
     for name in spmd_mesh.mesh_dim_names:
         loss = spmd.reinterpret(loss, spmd_mesh.get_group(name), src=spmd.V, dst=spmd.P)
     return loss

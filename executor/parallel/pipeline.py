@@ -65,8 +65,13 @@ import logging
 from typing import Callable
 
 import torch
+import torch._functorch.config as functorch_config
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 from search_spaces.plan import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Plan
 
@@ -173,11 +178,6 @@ def split_for_rank(model: nn.Module, plan: Plan, pp_rank: int) -> list[tuple[int
 def schedule_class(name: str):
     """The torch schedule class for a plan's schedule name, or a ValueError naming the torch version."""
     try:
-        from torch.distributed.pipelining.schedules import get_schedule_class
-    except ImportError as e:  # pragma: no cover
-        raise ValueError(f"plan key 'schedule' ({name}): torch {torch.__version__} has no "
-                         f"torch.distributed.pipelining.schedules ({e})") from None
-    try:
         return get_schedule_class(name)
     except ValueError:
         raise ValueError(f"plan key 'schedule': {name} is not available in torch {torch.__version__} "
@@ -273,10 +273,6 @@ def _keep_fsdp_params_unsharded(stages: list[tuple[int, nn.Module]], schedule: s
     --case mix).  With the parameters kept unsharded from the first forward
     to the last backward, both are exact.
     """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return
     changed = False
     for _, module in stages:
         for m in module.modules():
@@ -289,10 +285,6 @@ def _keep_fsdp_params_unsharded(stages: list[tuple[int, nn.Module]], schedule: s
 
 
 def _uses_fsdp(stages) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return False
     return any(isinstance(m, FSDPModule) for _, mod in stages for m in mod.modules())
 
 
@@ -319,10 +311,6 @@ def _allow_retained_compiled_backward() -> None:
     turned off, process-wide, before anything is compiled (TorchTitan does the
     same).  Compilation is lazy (first forward), so this is early enough.
     """
-    try:
-        import torch._functorch.config as functorch_config
-    except ImportError:  # pragma: no cover
-        return
     if getattr(functorch_config, "donated_buffer", False):
         functorch_config.donated_buffer = False
 
@@ -337,9 +325,6 @@ def _stage_class():
     activations are handed over locally, so those ops are dropped (gloo only;
     NCCL keeps torch's behaviour).
     """
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-
     class _Stage(PipelineStage):
         def _get_init_p2p_neighbors_ops(self):
             ops = super()._get_init_p2p_neighbors_ops()
@@ -355,7 +340,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
                    ) -> PipelineRunner:
     """PipelineStage per (already parallelized, materialized) stage module + the plan's schedule."""
     _check_plan(plan)
-    PipelineStage = _stage_class()
+    stage_cls = _stage_class()
     cls = schedule_class(plan.schedule)
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         _keep_fsdp_params_unsharded(stages, plan.schedule)
@@ -376,7 +361,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
     pstages = []
     for idx, module in stages:
         module.register_forward_pre_hook(positions, with_kwargs=True)
-        pstages.append(PipelineStage(module, idx, plan.n_stages, device, group=group, **stage_kwargs))
+        pstages.append(stage_cls(module, idx, plan.n_stages, device, group=group, **stage_kwargs))
     if plan.schedule in MULTI_STAGE_SCHEDULES:
         schedule = cls(pstages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
     else:

@@ -58,6 +58,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 aten = torch.ops.aten
 
@@ -217,11 +218,7 @@ def make_kernel(name: str, scale: float) -> _BlockKernel:
 def _is_fake(t: torch.Tensor) -> bool:
     if t.is_meta:
         return True
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-        return bool(is_fake(t))
-    except ImportError:  # pragma: no cover
-        return False
+    return bool(is_fake(t))
 
 
 class _Ring:

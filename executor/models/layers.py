@@ -1,0 +1,58 @@
+"""Layers shared by the model files (``llama.py``, ``mla.py``, ``moe.py``): RoPE, the causal SDPA core,
+the dense feed-forward and the norm.  Plain PyTorch; it imports no other model file."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_models.specs import ModelSpec
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [seq, head_dim/2] for rotary embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; rotate interleaved pairs (x0, x1)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return out.flatten(-2)
+
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention; k/v may have fewer (kv) heads."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or a GELU MLP (w2(gelu(w1 x)))."""
+
+    def __init__(self, dim: int, hidden: int, kind: str = "swiglu"):
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False) if kind == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+def make_norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.dim, eps=spec.norm_eps, bias=False)

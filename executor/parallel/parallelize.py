@@ -1,0 +1,171 @@
+"""Where every parallelism is applied: the one path from a model spec to this rank's model parts.
+
+:func:`build_model_parts` is what training, the dry run and the self-test call:
+
+    meta model -> PP split (``pipeline.pipeline_split``) -> :func:`parallelize` each stage
+    -> (real runs) ``to_empty`` on the device -> layout-independent init (``executor/init.py``)
+
+:func:`parallelize` applies, to one model or one pipeline-stage module, in this order:
+
+    float8 conversion -> TP/SP -> CP -> EP -> AC -> compile -> FSDP
+
+* TP before FSDP: FSDP then shards the TP-local shards (FSDP+TP gives
+  ``_StridedShard`` placements).
+* CP swaps the attention core, so it comes before AC/compile wrap the block.
+* EP (plan.ep > 1) swaps each MoE block's ``feed_forward.experts`` for the
+  all-to-all version holding E/ep experts (``expert_parallel.py``); FSDP then
+  shards those over ``efsdp`` (their own ``fully_shard``, gradient divide
+  factor = all data-parallel ranks, see ``fsdp.py``).  Under TP the MoE layers
+  are not TP-sharded: they run on the sequence-parallel local tokens and their
+  gradients are summed over tp after backward (``moe_step.py``).
+* AC wraps each block; compile compiles the (wrapped) block; FSDP goes last
+  so its hooks stay outside the compiled region.
+
+``backend``: ``dtensor`` uses DTensor TP and mesh-based FSDP2; ``spmd_types``
+uses spmd-typed FSDP2 plus runtime type checking where that is possible, and
+falls back to ``dtensor`` with a one-line warning elsewhere
+(:func:`resolve_backend`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cost_models.specs import ModelSpec
+from search_spaces.plan import Plan
+
+from ..init import init_weights
+from ..models.llama import Transformer
+from .activation_checkpoint import apply_ac
+from .compile import apply_compile
+from .context_parallel import apply_cp
+from .expert_parallel import apply_ep
+from .fsdp import apply_fsdp, apply_fsdp_spmd, spmd_fsdp_supported
+from .pipeline import pipeline_split
+from .tensor_parallel import apply_tp
+
+
+@dataclass(frozen=True)
+class Precision:
+    param_dtype: torch.dtype      # dtype of gathered parameters / compute
+    reduce_dtype: torch.dtype     # dtype of gradient reductions
+
+
+def resolve_precision(cfg, *, accelerator: bool) -> Precision:
+    """The run's precision: ``train.dtype``, or when it is ``auto`` the workload's dtype (default bf16) on an
+    accelerator and fp32 on CPU.  Master weights, gradients reductions and optimizer state stay fp32."""
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = cfg.resolved.get("workload", {}).get("dtype", "bf16") if accelerator else "fp32"
+    if dtype == "bf16":
+        return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return Precision(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def uses_fsdp(plan: Plan, precision: Precision) -> bool:
+    """FSDP whenever there are data-parallel ranks, and on one rank for bf16 mixed precision."""
+    return plan.dp_replicate * plan.dp_shard * plan.cp > 1 or precision.param_dtype != torch.float32
+
+
+def tp_shards_embedding(plan: Plan) -> bool:
+    """Vocab-shard the embedding under TP, except with compile (docs/torch_on_cpu.md item 9c)."""
+    return not plan.compile
+
+
+def apply_float8(module: nn.Module) -> None:
+    try:
+        # optional package (the float8 extra): only float8 plans need it
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise ValueError("plan key 'float8' is true but torchao is not installed (pip install torchao)") from None
+    # the LM head stays in high precision, as in TorchTitan
+    convert_to_float8_training(module, module_filter_fn=lambda mod, fqn: fqn != "output")
+
+
+def resolve_backend(plan: Plan, meshes, *, announce: bool) -> str:
+    """The backend a run uses for the plan's ``backend`` knob; one warning line on fallback.
+
+    ``spmd_types`` is real where it is usable today: FSDP2 built from
+    spmd-typed parameters (``fully_shard(..., dp_mesh_dims=...)``, torch >= 2.14)
+    and every training step run under ``spmd_types`` type checking (see
+    ``fsdp.py``).  It covers data-parallel layouts (FSDP/HSDP); TP, PP and CP
+    are written with DTensor / c10d here, and compile cannot run under the
+    checker's TorchFunctionMode, so those plans fall back to ``dtensor``.
+    """
+    if plan.backend == "dtensor":
+        return "dtensor"
+    reason = spmd_fsdp_supported()
+    if reason is None:
+        if plan.tp > 1:
+            reason = "tensor parallel is implemented with DTensor (no spmd_types TP yet)"
+        elif plan.pp > 1:
+            reason = "the pipeline schedule runs its own backward (no spmd_types loss typing)"
+        elif plan.cp > 1:
+            reason = "ring attention's P2P collectives are not spmd_types-typed"
+        elif plan.ep > 1:
+            reason = "expert parallel uses DTensor expert shards and c10d all-to-all (not spmd_types-typed)"
+        elif plan.compile:
+            reason = "spmd_types type checking (a TorchFunctionMode) would disable torch.compile"
+        elif plan.float8:
+            reason = "float8 tensors are not spmd_types-typed"
+        elif meshes.spmd_dp is None:
+            reason = "no data-parallel axis to shard"
+    if reason is None:
+        return "spmd_types"
+    if announce:
+        print(f"titan-run: warning: backend spmd_types -> dtensor: {reason}", file=sys.stderr, flush=True)
+    return "dtensor"
+
+
+def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor"
+                ) -> nn.Module:
+    """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place."""
+    if plan.float8:
+        apply_float8(module)
+    if plan.tp > 1:
+        apply_tp(module, meshes.tp, loss_parallel=True, shard_embedding=tp_shards_embedding(plan))
+    if plan.cp > 1:
+        apply_cp(module, meshes.cp)
+    if plan.ep > 1:
+        apply_ep(module, meshes.ep)
+    apply_ac(module, plan.ac)
+    if plan.compile:
+        apply_compile(module)
+    if backend == "spmd_types":
+        apply_fsdp_spmd(module, meshes.spmd_dp, param_dtype=precision.param_dtype,
+                        reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)
+    elif uses_fsdp(plan, precision):
+        apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                   reshard_after_forward=plan.reshard_after_forward,
+                   expert_mesh=meshes.expert_fsdp if plan.ep > 1 else None,
+                   expert_divide_factor=plan.dp_replicate * plan.dp_shard * plan.cp)
+    return module
+
+
+def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
+                      device: torch.device | None = None, seed: int = 0) -> list[tuple[int, nn.Module]]:
+    """This rank's model parts, ``[(stage index, module)]`` (``[(0, model)]`` without PP), parallelized.
+
+    Built on the meta device, split into this rank's pipeline stages, each stage parallelized
+    (:func:`parallelize`).  With `device` the parameters are then materialized there and
+    initialized from `seed`, the same full values for every layout; without it they stay on
+    the meta device (dry run, self-test: shapes and placements only).
+    """
+    with torch.device("meta"):
+        model = Transformer(spec)
+    init_rule = model.init_rule
+    stages = pipeline_split(model, plan, meshes.pp) if plan.pp > 1 else [(0, model)]
+    for _, module in stages:
+        parallelize(module, plan, meshes, precision=precision, backend=backend)
+    if device is not None:
+        for _, module in stages:
+            module.to_empty(device=device)
+            init_weights(module, init_rule, seed=seed, device=device)
+    return stages
+
+
+__all__ = ["Precision", "build_model_parts", "parallelize", "resolve_backend", "resolve_precision", "uses_fsdp",
+           "tp_shards_embedding"]
