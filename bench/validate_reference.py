@@ -43,7 +43,8 @@ framework):
   `measured.tokens_per_sec_total` (the whole job's) as that / GPUs.
 * nemo-megatron-2022 (NeMo Megatron 22.09 launcher configs, A100): the Megatron rules with the
   Korthikanti regime (fused softmax, i.e. materialized attention, and dropout; sequence parallel as
-  the config says), no TP overlap (userbuffers came later).
+  the config says), no TP overlap (userbuffers came later).  megatron-deepspeed-2022 (BLOOM's
+  Megatron-DeepSpeed on Jean Zay): the same regime, ZeRO-1 (DeepSpeed's BF16 optimizer), 1F1B.
 * mbridge / nemo / Korthikanti rows follow the Megatron rules above (nemo: NeMo 2.0's performance
   recipes turn TP communication overlap on, as mbridge's do -> tp_overlap = 1).  composer-fsdp (MosaicML's
   llm-foundry benchmarks: Composer + PyTorch FSDP1) and llama3-meta (the Llama 3 paper: "DP
@@ -91,8 +92,8 @@ NOT_EXPRESSIBLE = {
 
 EXTRA_PATH = Path(__file__).resolve().parent / "reference_extra.yaml"
 SETS = ("shared", "extra")
-MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo", "nemo-megatron-2022")
-MATERIALIZED = ("korthikanti", "nemo-megatron-2022")   # 2022 Megatron stacks: fused softmax (no flash), dropout
+MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo", "nemo-megatron-2022", "megatron-deepspeed-2022")
+MATERIALIZED = ("korthikanti", "nemo-megatron-2022", "megatron-deepspeed-2022")   # 2022 Megatron stacks: fused softmax (no flash), dropout
 FSDP_STACKS = ("torchtitan", "composer-fsdp", "llama3-meta")
 
 
