@@ -119,7 +119,8 @@ class Coefficients:
         if isinstance(data, Mapping) and "coefficients" in data:
             data = data["coefficients"]
         if data is None:
-            data = {}
+            raise CoefficientsError(f"{p}: an empty calibration file (expected coefficient names and numbers, "
+                                    "as written by 'titan-plan calibrate')")
         if not isinstance(data, Mapping):
             raise CoefficientsError(f"{p}: expected a mapping of coefficient names to numbers, "
                                     f"got {type(data).__name__}")

@@ -210,7 +210,7 @@ def _native_constraints() -> bool:
 
 def open_study(settings: TrialSettings, attrs: dict[str, Any]):
     import optuna
-    from sqlalchemy.exc import OperationalError  # optuna's RDB storage is SQLAlchemy
+    from sqlalchemy.exc import ArgumentError, OperationalError  # optuna's RDB storage is SQLAlchemy
 
     name = settings.study_name or "titan-" + "-".join(str(attrs[k]) for k in ("model", "hardware", "gpus"))
     url = settings.storage
@@ -230,8 +230,8 @@ def open_study(settings: TrialSettings, attrs: dict[str, Any]):
     except OperationalError as e:
         msg = str(e.orig) if getattr(e, "orig", None) else str(e).splitlines()[0]
         raise TrialsError(f"--storage {url}: {msg} (is another titan-plan using it?)") from None
-    except (ValueError, ImportError) as e:
-        raise TrialsError(f"--storage {url}: {e}") from None
+    except (ValueError, ImportError, ArgumentError) as e:   # ArgumentError: an unknown dialect or a bad URL
+        raise TrialsError(f"--storage {url}: {' '.join(str(e).split())[:200]}") from None
     old = {k: study.user_attrs.get(k) for k in STUDY_ATTRS}
     if any(v is not None for v in old.values()):
         for k in STUDY_ATTRS:

@@ -21,7 +21,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any, Mapping
 
 from . import constraints as C
-from .typed import InputError
+from .typed import INT_LIMIT, InputError, show
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
@@ -253,8 +253,8 @@ def _checked_mapping(d: Any, where: str) -> Mapping[str, Any]:
 
 
 def _check_positive_int(key: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise PlanError(f"plan key '{key}' must be a positive integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= INT_LIMIT:
+        raise PlanError(f"plan key '{key}' must be a positive integer (at most 2**53), got {show(v)}")
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

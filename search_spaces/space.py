@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 
 from .plan import AC_MODES, BACKENDS, SCHEDULES, PlanError
-from .typed import InputError
+from .typed import MAX_WORLD_SIZE, InputError, show
 from .yaml_file import read_yaml
 
 SPACE_DIR = Path(__file__).parent
@@ -141,8 +141,9 @@ def _check_knob(where: str, key: str, v: Any) -> Any:
         if not isinstance(v, bool):
             raise SpaceError(f"{where}: 'knobs.{key}' values must be true or false, got {v!r}")
         return v
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise SpaceError(f"{where}: 'knobs.{key}' values must be positive integers, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WORLD_SIZE:
+        raise SpaceError(f"{where}: 'knobs.{key}' values must be positive integers (at most {MAX_WORLD_SIZE:,}), "
+                         f"got {show(v)}")
     return v
 
 
