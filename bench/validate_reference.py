@@ -365,6 +365,15 @@ def report_set(name: str, rows) -> str:
         print(f"\ntrained runs predicted NOT to fit ({len(fit['misses'])} of {fit['n']}):")
         for rid, gib, cap in fit["misses"]:
             print(f"  {rid}: predicted {gib:.1f} GiB > {cap:.1f} GiB usable")
+    by_fw = {}
+    fw = {r["id"]: str(r.get("framework") or r["id"].split("_")[0]) for r in rows}
+    for r in results:
+        if r["counted"]:
+            by_fw.setdefault((fw[r["id"]], "throughput" if r["metric"] == "tokens_per_s_per_gpu" else "memory"), []).append(r["ape"])
+    if by_fw:
+        print(f"\nby framework (median / worst APE, n):")
+        for (f, g), apes in sorted(by_fw.items()):
+            print(f"  {f:26s} {g:10s} {statistics.median(apes):6.1f}% / {max(apes):6.1f}%  n={len(apes)}")
     s = summarize(results)
     print(f"\nset '{name}':")
     for g in ("throughput", "memory"):
