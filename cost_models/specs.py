@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from search_spaces.typed import InputError, from_mapping, show
+from search_spaces.typed import InputError, check_fields, from_mapping, show
 from search_spaces.yaml_file import read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -256,30 +256,18 @@ class Workload:
     ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3).
     """
 
-    seq_len: int
-    global_batch: int            # sequences per optimizer step
-    dtype: str = "bf16"          # compute dtype: bf16 | fp32
-    state_layout: str = "fsdp2"  # fsdp2 | megatron
-    zero: int = 3                # megatron layout only: 0 = nothing sharded, 1 = optimizer sharded
-    attention_impl: str = "fused"      # fused (flash / SDPA) | materialized
+    seq_len: int = field(metadata=_POSITIVE)
+    global_batch: int = field(metadata=_POSITIVE)            # sequences per optimizer step
+    dtype: Literal["bf16", "fp32"] = "bf16"                   # compute dtype
+    state_layout: Literal["fsdp2", "megatron"] = "fsdp2"
+    zero: int = field(default=3, metadata=_COUNT)             # megatron layout: 0 nothing sharded, 1 optimizer sharded
+    attention_impl: Literal["fused", "materialized"] = "fused"   # fused: flash / SDPA
     dropout: bool = False
-    sequence_parallel: bool = True     # with tp > 1
-    selective_ac: str = "matmul"       # matmul | op | attention
+    sequence_parallel: bool = True                            # with tp > 1
+    selective_ac: Literal["matmul", "op", "attention"] = "matmul"
 
     def __post_init__(self) -> None:
-        if self.seq_len < 1:
-            raise SpecError(f"workload key 'seq_len' must be >= 1, got {self.seq_len}")
-        if self.global_batch < 1:
-            raise SpecError(f"workload key 'global_batch' must be >= 1 sequence, got {self.global_batch}")
-        _choice("workload", "dtype", self.dtype, ("bf16", "fp32"))
-        _choice("workload", "state_layout", self.state_layout, ("fsdp2", "megatron"))
-        _choice("workload", "attention_impl", self.attention_impl, ("fused", "materialized"))
-        _choice("workload", "selective_ac", self.selective_ac, ("matmul", "op", "attention"))
-        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero < 0:
-            raise SpecError(f"workload key 'zero' must be an integer >= 0, got {self.zero!r}")
-        for k in ("dropout", "sequence_parallel"):
-            if not isinstance(getattr(self, k), bool):
-                raise SpecError(f"workload key '{k}' must be true or false, got {getattr(self, k)!r}")
+        check_fields(self, where="workload", error=SpecError)
 
     @property
     def global_batch_tokens(self) -> int:
