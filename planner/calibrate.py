@@ -48,7 +48,7 @@ class Measurements:
 
 
 def load_measurements(storage: str, study_name: str | None, hardware: str | None = None) -> Measurements:
-    import optuna
+    import optuna                        # optional ('trials' extra), slow to import
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -101,7 +101,7 @@ def _with(base: Coefficients, names, x) -> Coefficients:
 
 
 def fit(m: Measurements, idx: np.ndarray, base: Coefficients | None = None) -> Coefficients:
-    from scipy.optimize import least_squares
+    from scipy.optimize import least_squares   # scipy: optional, and slow to import for every titan-plan
 
     base = base or Coefficients()
     tn = [p[0] for p in TIME_PARAMS]
@@ -132,7 +132,7 @@ def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficient
     the spread is kept -- an additive overhead raised to cover the worst trial would
     push small plans far below their predictions.
     """
-    from scipy.optimize import least_squares, minimize
+    from scipy.optimize import least_squares, minimize   # scipy: optional, slow to import
 
     mn = [p[0] for p in MEMORY_PARAMS]
     lo_m = np.array([p[1] for p in MEMORY_PARAMS])
@@ -163,7 +163,7 @@ def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficient
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, float]:
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr    # scipy: optional, slow to import
 
     ok = np.isfinite(meas) & np.isfinite(pred)
     ape = np.abs(pred[ok] - meas[ok]) / meas[ok] * 100
@@ -213,7 +213,7 @@ def save(result: dict[str, Any], m: Measurements, path: str) -> None:
 
 def plot(result: dict[str, Any], m: Measurements, path: str) -> None:
     try:
-        import matplotlib
+        import matplotlib                # optional ('plot' extra)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

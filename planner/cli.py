@@ -1,4 +1,4 @@
-"""`titan-plan`: choose how to split a model over N accelerators.
+"""`titan-plan`: choose how to split a model over N accelerators (argument parsing and dispatch).
 
     titan-plan [plan] --model llama3-70b --gpus 256 --hardware h100-sxm \\
                --seq-len 8192 --global-batch-tokens 4M
@@ -6,26 +6,38 @@
                --tp 8 --pp 16 --dp-shard 128 --ac full --schedule Interleaved1F1B --stages-per-rank 2
     titan-plan list models|hardware|spaces
 
-The planner never imports torch (it must answer for 16,384 devices in well
-under a second); it reaches the executor only through plan.yaml.
+The planning question (model, hardware, workload, devices) is read by `planner.inputs`.
+The planner never imports torch (it must answer for 16,384 devices in well under a
+second); it reaches the executor only through plan.yaml.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import re
 import sys
 import time
 
-from search_spaces.typed import MAX_WORLD_SIZE, InputError
+from cost_models.specs import load_hardware, load_model, preset_names
+from search_spaces.plan import AC_MODES, BACKENDS, SCHEDULES
+from search_spaces.planfile import write_plan_file
+from search_spaces.space import load_space, space_names
+from search_spaces.typed import MAX_WORLD_SIZE, InputError, show
+
+from . import calibrate as cal
+from . import report
+from .dry_run import dry_run_candidates, format_row
+from .inputs import PlanInputs, UsageError, add_input_flags, parse_tokens, resolve_inputs
+from .local import detect_local_devices
+from .plot import pareto_plot
+from .profile import run_profile
+from .rank import plan_candidates
+from .trials import TrialSettings, run_trials
+from .whatif import cmd_estimate
+
+__all__ = ["main", "build_parser", "parse_tokens", "resolve_inputs", "UsageError"]
 
 SUBCOMMANDS = ("plan", "estimate", "list", "profile", "calibrate")
 EXIT_USAGE = 2
-
-
-class UsageError(InputError):
-    pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,35 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_counts(args)
-    except UsageError as e:
-        print(f"titan-plan: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    from cost_models.coefficients import CoefficientsError
-    from cost_models.specs import SpecError
-    from search_spaces.plan import PlanError
-    from search_spaces.space import SpaceError
-
-    from .rank import PlanningError
-    try:
         return args.func(args)
-    except (SpecError, PlanError, SpaceError, PlanningError, CoefficientsError, UsageError) as e:
+    except InputError as e:          # every user-input error class (search_spaces.typed)
         print(f"titan-plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         return 0
-    except InputError as e:          # every other user-input error class (search_spaces.typed)
-        print(f"titan-plan: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except OSError as e:             # a file named by a flag that cannot be read or written
-        print(f"titan-plan: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
-              file=sys.stderr)
+        name = show(str(e.filename)) + ": " if e.filename else ""
+        print(f"titan-plan: error: {name}{e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
 
 
 # the least value of each count flag (None: not given); --gpus is also capped at MAX_WORLD_SIZE
 COUNT_FLAGS = {"gpus": 1, "gpus_per_node": 1, "seq_len": 1, "global_batch": 1, "top": 1, "dry_run": 0,
                "trials": 0, "trial_steps": 1, "nproc": 1, "max_bytes": 1, "dp_replicate": 1, "dp_shard": 1,
-               "pp": 1, "tp": 1, "cp": 1, "ep": 1, "microbatch": 1, "stages_per_rank": 1}
+               "pp": 1, "tp": 1, "cp": 1, "ep": 1, "microbatch": 1, "n_microbatches": 1,
+               "stages_per_rank": 1}
 
 
 def check_counts(args) -> None:
@@ -77,8 +77,10 @@ def check_counts(args) -> None:
         if v is not None and v > MAX_WORLD_SIZE and key != "max_bytes":
             raise UsageError(f"{flag} must be at most {MAX_WORLD_SIZE:,} (the largest world titan-plan plans), "
                              f"got {str(v)[:30]}")
-    if getattr(args, "model", None) is not None and not args.model.strip():
-        raise UsageError("--model must be a preset name or a YAML path, got ''")
+    for key in ("model", "hardware", "space", "calibration", "out"):
+        v = getattr(args, key, None)
+        if v is not None and not v.strip():
+            raise UsageError(f"--{key} must be a name or a path, got {v!r}")
     for key in ("trial_timeout", "memory_margin"):
         v = getattr(args, key, None)
         if v is not None and not (v == v and abs(v) != float("inf")):
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pp = sub.add_parser("plan", help="rank all layouts and write the best (default)",
                         description="Rank every legal layout and write the best one to plan.yaml.")
-    _common(pp)
+    add_input_flags(pp)
     pp.add_argument("--space", help="search space: dense, moe, long_context or a YAML path "
                                     "(default: moe for MoE models, long_context from 32K tokens, else dense)")
     pp.add_argument("--top", type=int, default=10, help="how many candidates to print (default 10)")
@@ -131,20 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
     pe = sub.add_parser("estimate", help="predict one given layout (what-if), with breakdowns",
                         description="Predict step time, throughput, MFU and memory of one layout, from a "
                                     "plan file or from flags, e.g. to check a published configuration.")
-    _common(pe)
+    add_input_flags(pe)
     pe.add_argument("--plan", dest="plan_file", help="read the layout (and model/hardware/workload) from "
                                                      "this plan file; flags given override it")
     for k, h in (("dp-replicate", "HSDP replica groups"), ("dp-shard", "FSDP shard degree (default: "
                  "what remains of the world)"), ("pp", "pipeline degree"), ("tp", "tensor-parallel degree"),
                  ("cp", "context-parallel degree"), ("ep", "expert-parallel degree (within dp_shard*cp)"),
-                 ("microbatch", "sequences per micro-batch"), ("stages-per-rank", "pipeline stages per rank")):
+                 ("microbatch", "sequences per micro-batch (default 1)"),
+                 ("n-microbatches", "micro-batches per step (default: what the global batch leaves)"),
+                 ("stages-per-rank", "pipeline stages per rank")):
         pe.add_argument(f"--{k}", type=int, help=h)
-    pe.add_argument("--schedule", help="GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble or DualPipeV")
-    pe.add_argument("--ac", help="activation checkpointing: none, selective or full")
+    pe.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1F1B)")
+    pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default none)")
     pe.add_argument("--reshard", dest="reshard_after_forward", action=argparse.BooleanOptionalAction,
                     default=None, help="FSDP reshard after forward (default yes)")
     pe.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile")
     pe.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None, help="float8 linears")
+    pe.add_argument("--backend", choices=BACKENDS, help="executor backend (default spmd_types)")
     pe.add_argument("--json", action="store_true", help="print JSON")
     pe.set_defaults(func=cmd_estimate)
 
@@ -181,115 +186,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model preset name or YAML path (default llama3-debug; "
-                                   "'titan-plan list models')")
-    p.add_argument("--gpus", type=int, help="number of devices (default: this machine's)")
-    p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's)")
-    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: from the hardware spec)")
-    p.add_argument("--seq-len", type=int, help="sequence length (default: 8192, or 256 for debug models)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--global-batch-tokens", help="tokens per optimizer step; K/M/G suffixes are binary "
-                                                 "(4M = 4*2^20) (default: about 1M tokens)")
-    g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default bf16; fp32 on CPU)")
-    p.add_argument("--calibration", help="calibration file from 'titan-plan calibrate'")
-
-
-# --------------------------------------------------------------------------- inputs
-def parse_tokens(s: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", s)
-    if not m:
-        raise UsageError(f"--global-batch-tokens: cannot read {s!r} (examples: 4M, 1048576, 512K)")
-    mult = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}[m.group(2).lower()]
-    v = float(m.group(1)) * mult
-    if v < 1 or v != int(v):
-        raise UsageError(f"--global-batch-tokens: {s!r} is not a whole number of tokens")
-    return int(v)
-
-
-def resolve_inputs(args, defaults: dict | None = None):
-    """model, hardware, workload, world size and devices per node, from flags (then `defaults`)."""
-    from cost_models.coefficients import Coefficients
-    from cost_models.specs import Workload, load_hardware, load_model
-
-    from .local import detect_local_devices
-
-    d = defaults or {}
-    model = load_model(args.model or d.get("model") or "llama3-debug")
-    local = None
-    hw_name = args.hardware or d.get("hardware")
-    gpus = args.gpus if args.gpus is not None else d.get("gpus")
-    if hw_name is None or gpus is None:
-        local = detect_local_devices()
-        hw_name = hw_name or local.hardware
-        gpus = gpus or local.count
-    hw = load_hardware(hw_name)
-    if not 1 <= gpus <= MAX_WORLD_SIZE:
-        raise UsageError(f"--gpus must be in 1..{MAX_WORLD_SIZE:,}, got {str(gpus)[:30]}")
-    gpn = args.gpus_per_node or d.get("gpus_per_node") or (
-        gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
-    if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links
-        hw = dataclasses.replace(hw, gpus_per_node=int(gpn))
-    small = _n_params_estimate(model) < 1e8
-    seq_len = args.seq_len or (d.get("workload") or {}).get("seq_len") or (256 if small else min(8192, model.max_seq_len))
-    wl = d.get("workload") or {}
-    if args.global_batch:
-        gb = args.global_batch
-    elif args.global_batch_tokens:
-        tokens = parse_tokens(args.global_batch_tokens)
-        if tokens % seq_len:
-            raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {seq_len}")
-        gb = tokens // seq_len
-    elif wl.get("global_batch"):
-        gb = int(wl["global_batch"])
-    else:  # default: about 1M tokens for real models, 8 sequences per device for debug models
-        gb = 8 * gpus if small else max(1, 2 ** 20 // seq_len)
-    dtype = args.dtype or wl.get("dtype") or ("fp32" if hw.device == "cpu" else "bf16")
-    workload = Workload(seq_len=seq_len, global_batch=gb, dtype=dtype,
-                        state_layout=wl.get("state_layout", "fsdp2"), zero=int(wl.get("zero", 3)))
-    coeffs = Coefficients.load(args.calibration) if args.calibration else None
-    return model, hw, workload, gpus, gpn, coeffs, local
-
-
-def _n_params_estimate(model) -> float:
-    return model.n_layers * 12 * model.dim ** 2 + 2 * model.vocab_size * model.dim
-
-
 def _default_space(model, workload) -> str:
     if model.is_moe:
         return "moe"
     return "long_context" if workload.seq_len >= 32768 else "dense"
 
 
-def _model_ref(args, d=None) -> str:
-    return args.model or (d or {}).get("model") or "llama3-debug"
-
-
 # --------------------------------------------------------------------------- plan
 def cmd_plan(args) -> int:
-    from search_spaces.planfile import write_plan_file
-    from search_spaces.space import load_space
-
-    from . import report
-    from .rank import plan_candidates
-
     t0 = time.perf_counter()
-    model, hw, workload, gpus, gpn, coeffs, local = resolve_inputs(args)
+    q = resolve_inputs(args)
+    model, hw, workload, gpus, gpn, local = q.model, q.hardware, q.workload, q.gpus, q.gpus_per_node, q.local
     space = load_space(args.space or _default_space(model, workload))
-    res = plan_candidates(space, model, hw, workload, world_size=gpus, gpus_per_node=gpn, coeffs=coeffs,
+    res = plan_candidates(space, model, hw, workload, world_size=gpus, gpus_per_node=gpn, coeffs=q.coeffs,
                           memory_margin=args.memory_margin)
     elapsed = time.perf_counter() - t0
     best = res.best()  # raises PlanningError with the reason when nothing fits
     top = res.order[: max(1, args.top)]
-    inputs = {"model": _model_ref(args), "hardware": args.hardware or hw.name, "gpus": gpus,
-              "gpus_per_node": gpn, "space": space.name, "seq_len": workload.seq_len,
-              "global_batch": workload.global_batch, "global_batch_tokens": workload.global_batch_tokens,
-              "dtype": workload.dtype, "calibration": args.calibration,
-              "local_devices": local.description if local else None}
+    inputs = {**q.echo(), "space": space.name}
     contents = {
-        "model": _model_ref(args),
-        "hardware": args.hardware or hw.name,
+        "model": q.model_ref,
+        "hardware": q.hardware_ref,
         "workload": workload.to_dict(),
         "plan": res.table.plan(best),
         "predicted": report.predicted(res.est, best),
@@ -298,9 +215,8 @@ def cmd_plan(args) -> int:
     }
     dry_rows = None
     if args.dry_run:
-        from .dry_run import dry_run_candidates
         print(f"[titan-plan] dry-running the top {args.dry_run} candidates ...", file=sys.stderr, flush=True)
-        dry_rows = dry_run_candidates(res, [int(i) for i in res.order[: args.dry_run]], model_ref=_model_ref(args),
+        dry_rows = dry_run_candidates(res, [int(i) for i in res.order[: args.dry_run]], model_ref=q.model_ref,
                                       workload=contents["workload"])
         failed = {r["index"] for r in dry_rows if r["status"] != "ok"}
         if failed:   # the executor cannot apply these: they leave the ranking
@@ -311,7 +227,7 @@ def cmd_plan(args) -> int:
             contents["predicted"] = report.predicted(res.est, best)
     trial_rows = None
     if args.trials:
-        chosen, measured, trial_rows = _run_trials(args, res, space, contents, workload, gpus, local)
+        chosen, measured, trial_rows = _run_trials(args, res, space, contents, q)
         if chosen is not None:
             contents["plan"] = chosen
             contents["predicted"] = measured.pop("predicted")
@@ -319,7 +235,6 @@ def cmd_plan(args) -> int:
     if not args.no_write:
         write_plan_file(args.out, contents)
     if args.plot:
-        from .plot import pareto_plot
         pareto_plot(res, args.plot, title=f"{model.name} on {gpus} x {hw.name}")
     if args.json:
         doc = {"inputs": inputs, "n_candidates": res.n_candidates, "n_feasible": res.n_feasible,
@@ -330,9 +245,7 @@ def cmd_plan(args) -> int:
                "elapsed_s": round(elapsed, 4)}
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"{model.name} on {gpus} x {hw.name} ({gpn} per node), seq_len {workload.seq_len}, "
-          f"global batch {workload.global_batch} sequences = {workload.global_batch_tokens:,} tokens, "
-          f"{workload.dtype}" + (f"  [local: {local.description}]" if local else ""))
+    print(q.headline())
     print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
           f"{res.n_feasible:,} feasible ({space.name} space)")
     print()
@@ -344,16 +257,15 @@ def cmd_plan(args) -> int:
             print(f"  {r.count:>9,} {r.unit}: {r.reason}")
         print()
     if dry_rows:
-        from .dry_run import format_row
         print("dry run (exact parameter + gradient + optimizer bytes of the worst rank; FakeTensor step peak):")
         for r in dry_rows:
-            print(f"  {report.layout_str(r['plan']):<20} {report.knobs_str(r['plan']):<34} {format_row(r)}")
+            print(f"  {r['plan'].layout_str():<20} {r['plan'].knobs_str():<34} {format_row(r)}")
         print()
     if trial_rows:
         print(f"measured trials (best first), study '{args.study_name or 'default'}' in {args.storage}:")
         for o in trial_rows:
             meas = f"{o.tokens_per_s:,.1f} tok/s" if o.tokens_per_s else o.status
-            print(f"  #{o.number:<3} {report.layout_str(o.plan):<18} {report.knobs_str(o.plan):<32} "
+            print(f"  #{o.number:<3} {o.plan.layout_str():<18} {o.plan.knobs_str():<32} "
                   f"measured {meas:<18} predicted {o.predicted.get('tokens_per_s', 0):,.1f} tok/s"
                   + (f"  ({o.reason[:60]})" if o.reason and o.status != "ok" else ""))
         print()
@@ -369,20 +281,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _run_trials(args, res, space, contents, workload, gpus, local):
-    from .trials import TrialSettings, run_trials
-
-    if args.launcher is None and local is None:
-        from .local import detect_local_devices
+def _run_trials(args, res, space, contents, q: PlanInputs):
+    if args.launcher is None and q.local is None:
         here = detect_local_devices()
-        if gpus > here.count:
+        if q.gpus > here.count:
             raise UsageError(f"--trials without --launcher run on this node, which has {here.count} devices, "
-                             f"but --gpus is {gpus}")
+                             f"but --gpus is {q.gpus}")
     settings = TrialSettings(n_trials=args.trials, steps=args.trial_steps, timeout_s=args.trial_timeout,
                              storage=args.storage, study_name=args.study_name, run_root=args.run_root,
                              launcher=args.launcher)
-    inputs = {"model": contents["model"], "hardware": contents["hardware"], "gpus": gpus,
-              "seq_len": workload.seq_len, "global_batch": workload.global_batch, "dtype": workload.dtype,
+    w = q.workload
+    inputs = {"model": contents["model"], "hardware": contents["hardware"], "gpus": q.gpus,
+              "seq_len": w.seq_len, "global_batch": w.global_batch, "dtype": w.dtype,
               "workload": contents["workload"]}
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     rows = run_trials(res, plan_inputs=inputs, settings=settings, space_knobs=dict(space.knobs), log=log)
@@ -398,69 +308,8 @@ def _run_trials(args, res, space, contents, workload, gpus, local):
     return best.plan, measured, rows
 
 
-# --------------------------------------------------------------------------- estimate
-def cmd_estimate(args) -> int:
-    from cost_models.estimate import estimate
-    from search_spaces.constraints import Target, check_plan
-    from search_spaces.plan import Plan, PlanError
-    from search_spaces.planfile import read_plan_file
-    from search_spaces.table import CandidateTable
-
-    from . import report
-
-    base: dict = {}
-    d: dict = {}
-    if args.plan_file:
-        pf = read_plan_file(args.plan_file)
-        base = pf["plan"].to_dict()
-        inputs = pf.get("inputs") or {}
-        d = {"model": pf.get("model"), "hardware": pf.get("hardware"), "workload": pf.get("workload"),
-             "gpus": inputs.get("gpus") or pf["plan"].world_size, "gpus_per_node": inputs.get("gpus_per_node")}
-    model, hw, workload, gpus, gpn, coeffs, _ = resolve_inputs(args, d)
-    layout = dict(base)
-    for key in ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "microbatch", "stages_per_rank", "schedule",
-                "ac", "reshard_after_forward", "compile", "float8"):
-        v = getattr(args, key, None)
-        if v is not None:
-            layout[key] = v
-    for key in ("dp_replicate", "pp", "tp", "cp", "ep", "microbatch"):
-        layout.setdefault(key, 1)
-    if "schedule" in layout and "stages_per_rank" not in layout:
-        layout["stages_per_rank"] = {"Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}.get(layout["schedule"], 1)
-    rest = layout["dp_replicate"] * layout["pp"] * layout["tp"] * layout["cp"]
-    if args.dp_shard is None and not base:
-        if gpus % rest:
-            raise PlanError(f"dp_replicate*pp*tp*cp = {rest} does not divide --gpus {gpus}")
-        layout["dp_shard"] = gpus // rest
-    layout.setdefault("dp_shard", 1)
-    dp = layout["dp_replicate"] * layout["dp_shard"]
-    if workload.global_batch % (dp * layout["microbatch"]):
-        raise PlanError(f"global batch {workload.global_batch} sequences is not divisible by "
-                        f"dp*microbatch = {dp}*{layout['microbatch']}")
-    layout["n_microbatches"] = workload.global_batch // (dp * layout["microbatch"])
-    plan = Plan.from_dict(layout)
-    plan.check_world(gpus)
-    target = Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
-                       gpus_per_node=gpn, float8_supported=hw.supports_float8)
-    problems = check_plan(plan, target, tp_within_node=False)
-    if problems:
-        raise PlanError(f"layout is not legal: {problems[0][1]}")
-    est = estimate(CandidateTable.from_plans([plan]), model, hw, workload, coeffs)
-    if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
-                          "workload": workload.to_dict(), "predicted": report.predicted(est, 0)}, indent=2))
-        return 0
-    print(f"{model.name} on {gpus} x {hw.name}: {report.layout_str(plan)}  {report.knobs_str(plan)}")
-    print(f"seq_len {workload.seq_len}, global batch {workload.global_batch} sequences, {workload.dtype}")
-    print(report.format_breakdown(est, 0))
-    return 0
-
-
 # --------------------------------------------------------------------------- profile
 def cmd_profile(args) -> int:
-    from .local import detect_local_devices
-    from .profile import run_profile
-
     local = detect_local_devices()
     nproc = args.nproc or local.count
     if nproc < 1:
@@ -484,8 +333,6 @@ def cmd_profile(args) -> int:
 
 # --------------------------------------------------------------------------- calibrate
 def cmd_calibrate(args) -> int:
-    from . import calibrate as cal
-
     m = cal.load_measurements(args.storage, args.study_name, args.hardware)
     res = cal.calibrate(m, loo=not args.no_loo)
     cal.save(res, m, args.out)
@@ -518,9 +365,6 @@ def cmd_calibrate(args) -> int:
 
 # --------------------------------------------------------------------------- list
 def cmd_list(args) -> int:
-    from cost_models.specs import load_hardware, load_model, preset_names
-    from search_spaces.space import load_space, space_names
-
     if args.what == "models":
         for n in preset_names("models"):
             m = load_model(n)

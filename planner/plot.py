@@ -8,7 +8,7 @@ from .rank import PlanningError, PlanningResult
 
 def pareto_plot(res: PlanningResult, path: str, *, title: str = "") -> None:
     try:
-        import matplotlib
+        import matplotlib                # optional ('plot' extra)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

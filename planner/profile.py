@@ -44,7 +44,7 @@ RING = {  # op -> (traffic factor of bytes, latency steps) for a group of g rank
 
 def fit_alpha_beta(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Per op: latency per step (s) and bandwidth (B/s) by non-negative least squares."""
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls      # scipy: optional, slow to import for every titan-plan
 
     out = {}
     for op, (traffic, steps) in RING.items():

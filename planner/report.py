@@ -2,42 +2,23 @@
 from __future__ import annotations
 
 import datetime as _dt
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
 
 from cost_models.estimate import Estimates
+from cost_models.memory import MEMORY_KEYS
+from cost_models.step_time import TIME_KEYS
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 
 GiB = 2.0 ** 30
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
-TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
 
 
-def layout_str(p: Plan) -> str:
-    parts = []
-    if p.dp_replicate > 1:
-        parts.append(f"rep{p.dp_replicate}")
-    parts.append(f"fsdp{p.dp_shard}")
-    for k in ("pp", "tp", "cp", "ep"):
-        if getattr(p, k) > 1:
-            parts.append(f"{k}{getattr(p, k)}")
-    return "·".join(parts)
-
-
-def knobs_str(p: Plan) -> str:
-    s = f"mb{p.microbatch}x{p.n_microbatches}"
-    if p.pp > 1:
-        s += f" {p.schedule}" + (f"/v{p.stages_per_rank}" if p.stages_per_rank > 1 else "")
-    s += f" ac:{p.ac}"
-    if not p.reshard_after_forward:
-        s += " noreshard"
-    if p.compile:
-        s += " compile"
-    if p.float8:
-        s += " fp8"
-    return s
+# the one plan printer is Plan's (search_spaces.plan); these names are kept for callers of report
+layout_str = Plan.layout_str
+knobs_str = Plan.knobs_str
 
 
 def predicted(est: Estimates, i: int) -> dict[str, Any]:
@@ -64,7 +45,7 @@ def format_table(table: CandidateTable, est: Estimates, idx, *, title: str = "")
     for r, i in enumerate(idx, 1):
         i = int(i)
         p = table.plan(i)
-        rows.append((str(r), layout_str(p), knobs_str(p), _num(est.step_time_s[i]),
+        rows.append((str(r), p.layout_str(), p.knobs_str(), _num(est.step_time_s[i]),
                      _num(est.tokens_per_s_per_gpu[i]), f"{100 * est.mfu[i]:.1f}%",
                      f"{est.peak_memory_bytes[i] / GiB:.2f}",
                      f"{(est.capacity_bytes - est.peak_memory_bytes[i]) / GiB:.2f}"))
@@ -97,7 +78,6 @@ def format_breakdown(est: Estimates, i: int) -> str:
 
 
 def provenance(command: list[str], n_candidates: int) -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         v = version("titan-autoplan")
     except PackageNotFoundError:

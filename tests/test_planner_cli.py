@@ -160,3 +160,98 @@ def test_pareto_front_is_exactly_the_non_dominated_set():
     # ties (same memory and tokens/s) keep one representative
     key = lambda s: {(mem[i], tps[i]) for i in s}  # noqa: E731
     assert key(front) == key(brute) and len(front) == len(key(front))
+
+
+# ---------------------------------------------------------------------------- every workload key, flag and file
+WORKLOAD_ARGS = ["--state-layout", "megatron", "--zero", "1", "--attention-impl", "materialized", "--dropout",
+                 "--no-sequence-parallel", "--selective-ac", "attention"]
+WORKLOAD_SET = {"state_layout": "megatron", "zero": 1, "attention_impl": "materialized", "dropout": True,
+                "sequence_parallel": False, "selective_ac": "attention"}
+BASE_8B = ["--model", "llama3-8b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "2048",
+           "--global-batch", "64"]
+
+
+def _estimate_json(capsys, *args) -> dict:
+    rc = main(["estimate", *args, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    return doc
+
+
+def test_every_workload_key_has_a_flag_and_reaches_the_cost_model(capsys):
+    from cost_models.specs import Workload
+    from planner.inputs import WORKLOAD_KEYS
+    assert set(WORKLOAD_KEYS) == {f for f in Workload.__dataclass_fields__}
+    base = _estimate_json(capsys, *BASE_8B, "--tp", "2", "--ac", "selective")
+    doc = _estimate_json(capsys, *BASE_8B, "--tp", "2", "--ac", "selective", *WORKLOAD_ARGS)
+    assert {k: doc["workload"][k] for k in WORKLOAD_SET} == WORKLOAD_SET
+    assert doc["inputs"]["workload"] == doc["workload"]          # --json echoes every input
+    for k in ("model", "hardware", "gpus", "gpus_per_node", "seq_len", "global_batch", "dtype", "calibration"):
+        assert k in doc["inputs"]
+    # each setting moves the figure it should: megatron state with ZeRO-1 replicates the fp32 main params
+    # over dp; materialized attention, dropout masks and no sequence parallel add activation bytes
+    mem, mem0 = doc["predicted"]["memory_gib"], base["predicted"]["memory_gib"]
+    assert mem["grads"] > mem0["grads"] and mem["activations"] > mem0["activations"]
+    # and each one alone changes the prediction (on the megatron layout, where zero applies)
+    megatron = [*BASE_8B, "--tp", "2", "--ac", "selective", "--state-layout", "megatron"]
+    ref = _estimate_json(capsys, *megatron)
+    for key, value in WORKLOAD_SET.items():
+        name = key.replace("_", "-")
+        flag = [f"--{name}"] if value is True else [f"--no-{name}"] if value is False else [f"--{name}", str(value)]
+        if key != "state_layout":
+            one = _estimate_json(capsys, *megatron, *flag)
+            assert one["workload"][key] == value and one["predicted"] != ref["predicted"], key
+
+
+def test_plan_file_workload_keys_are_read_and_typos_refused(tmp_path, capsys):
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-8b", "hardware": "h100-sxm", "plan": {"dp_shard": 8, "tp": 2},
+                                 "workload": {"seq_len": 2048, "global_batch": 64, **WORKLOAD_SET}}))
+    doc = _estimate_json(capsys, "--plan", str(f))
+    assert {k: doc["workload"][k] for k in WORKLOAD_SET} == WORKLOAD_SET and doc["gpus"] == 16
+    # a flag wins over the file
+    doc = _estimate_json(capsys, "--plan", str(f), "--state-layout", "fsdp2", "--sequence-parallel", "--tp", "4")
+    assert doc["workload"]["state_layout"] == "fsdp2" and doc["workload"]["sequence_parallel"] is True
+    assert (doc["plan"]["tp"], doc["plan"]["dp_shard"]) == (4, 4)     # dp_shard re-derived for the new tp
+    f.write_text(yaml.safe_dump({"model": "llama3-8b", "hardware": "h100-sxm", "plan": {"dp_shard": 16},
+                                 "workload": {"seq_len": 2048, "global_batch": 64, "state_layot": "megatron"}}))
+    r = run_cli("estimate", "--plan", str(f))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "unknown key 'state_layot'" in r.stderr and "did you mean 'state_layout'" in r.stderr
+    r = run_cli("estimate", *BASE_8B, "--selective-ac", "most")
+    assert r.returncode == 2 and "--selective-ac" in r.stderr
+
+
+def test_plan_writes_and_echoes_the_full_workload(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main([*BASE_8B, *WORKLOAD_ARGS, "--out", str(out), "--json", "--top", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {k: doc["inputs"]["workload"][k] for k in WORKLOAD_SET} == WORKLOAD_SET
+    pf = read_plan_file(out)
+    assert {k: pf["workload"][k] for k in WORKLOAD_SET} == WORKLOAD_SET
+    # and estimate reads it back unchanged
+    again = _estimate_json(capsys, "--plan", str(out))
+    assert again["workload"] == pf["workload"] and again["plan"] == pf["plan"].to_dict()
+
+
+# ---------------------------------------------------------------------------- what-if layouts titan-run cannot run
+def test_estimate_predicts_a_schedule_titan_run_cannot_run(capsys):
+    """1F1B with 2 micro-batches on 12 pipeline stages (as a published 176B run did): predicted, with a note."""
+    args = ["--model", "llama3-70b", "--gpus", "96", "--hardware", "a100-80g", "--tp", "8", "--pp", "12",
+            "--global-batch", "2", "--seq-len", "2048", "--ac", "full"]
+    doc = _estimate_json(capsys, *args)
+    assert doc["plan"]["n_microbatches"] == 2 and doc["titan_run_can_run"] is False
+    assert "titan-run cannot run this schedule" in doc["note"] and doc["predicted"]["step_time_s"] > 0
+    assert main(["estimate", *args]) == 0
+    text = capsys.readouterr().out
+    notes = [line for line in text.splitlines() if "titan-run cannot run" in line]
+    assert len(notes) == 1 and "needs at least 12" in notes[0]
+    # a runnable layout has no note
+    ok = _estimate_json(capsys, *args[:-6], "--global-batch", "24", "--seq-len", "2048", "--ac", "full")
+    assert ok["titan_run_can_run"] is True and ok["note"] is None
+    # the search keeps the rule: no candidate has fewer micro-batches than its schedule needs
+    assert main(["--model", "llama3-70b", "--gpus", "96", "--hardware", "a100-80g", "--global-batch", "4",
+                 "--seq-len", "2048", "--json", "--no-write", "--top", "1000"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["top"] and all(r["plan"]["n_microbatches"] >= r["plan"]["pp"] for r in doc["top"])
+    assert any("micro-batch count" in r["reason"] for r in doc["rejected"])

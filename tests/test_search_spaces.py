@@ -9,8 +9,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import numpy as np
+
 from search_spaces import (AC_MODES, SCHEDULES, Plan, PlanError, SpaceError, Target, check_plan,
                            enumerate_plans, load_space, space_names)
+from search_spaces import constraints as C
+from search_spaces.plan import BACKENDS, MESH_AXES
 from search_spaces.enumerate import schedule_options
 from search_spaces.planfile import read_plan_file, write_plan_file
 from search_spaces.space import divisors, space_from_dict
@@ -99,10 +103,10 @@ def brute_force(space, t: Target) -> set[tuple]:
             for (sched, v), ac, rs, co, f8, be in itertools.product(
                     scheds, space.knobs["ac"], space.knobs["reshard_after_forward"], space.knobs["compile"],
                     space.knobs["float8"], space.knobs["backend"]):
-                try:
+                try:   # runnable=False: the micro-batch rules are left to check_plan, which must apply them
                     p = Plan(dp_replicate=dpr, dp_shard=dps, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb,
                              n_microbatches=nmb, schedule=sched, stages_per_rank=v, ac=ac,
-                             reshard_after_forward=rs, compile=co, float8=f8, backend=be)
+                             reshard_after_forward=rs, compile=co, float8=f8, backend=be, runnable=False)
                 except PlanError:
                     continue
                 if not check_plan(p, t, tp_within_node=space.tp_within_node):
@@ -168,3 +172,103 @@ def test_big_enumeration_counts_rejections():
     assert reasons and all(v > 0 for v in reasons.values())
     assert (en.table.world_size == 16384).all()
     assert (en.table.tp <= 8).all()
+
+
+# ---------------------------------------------------------------------------- one rule, two forms
+def _random_plans(rng, n: int) -> list[Plan]:
+    out = []
+    while len(out) < n:
+        d = {k: int(rng.choice([1, 2, 3, 4, 8])) for k in ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep")}
+        d.update(microbatch=int(rng.choice([1, 2, 3])), n_microbatches=int(rng.integers(1, 20)),
+                 schedule=str(rng.choice(SCHEDULES)), stages_per_rank=int(rng.choice([1, 2, 3])),
+                 ac=str(rng.choice(AC_MODES)), float8=bool(rng.integers(2)), backend=str(rng.choice(BACKENDS)))
+        try:
+            out.append(Plan(**d, runnable=False))
+        except PlanError:
+            pass
+    return out
+
+
+def test_each_rule_is_the_same_on_one_plan_and_on_columns():
+    """The enumerator applies the predicates of constraints.py to columns: they agree with one plan."""
+    rng = np.random.default_rng(0)
+    plans = _random_plans(rng, 400)
+    table = CandidateTable.from_plans(plans)
+    for _ in range(20):
+        m = _model(int(rng.choice([2, 3, 8, 12])), int(rng.choice([4, 6, 8, 16])), int(rng.choice([1, 2])),
+                   int(rng.choice([12, 16, 48])), n_experts=int(rng.choice([0, 4, 6])))
+        t = Target.of(m, world_size=int(rng.choice([8, 16, 64])), seq_len=int(rng.choice([6, 16, 48])),
+                      global_batch=int(rng.choice([4, 8, 96])), gpus_per_node=int(rng.choice([2, 8])),
+                      float8_supported=bool(rng.integers(2)))
+        for rule in C.CHECK_ORDER:
+            col = np.broadcast_to(rule.ok(table, t), (len(plans),))
+            one = [bool(rule.ok(p, t)) for p in plans]
+            assert col.tolist() == one, rule.reason
+        # and check_plan is exactly the rules that fail
+        for p in plans[:50]:
+            assert [r for r, _ in check_plan(p, t)] == [r.reason for r in C.CHECK_ORDER if not r.ok(p, t)]
+
+
+def test_micro_batch_rules_reach_check_plan():
+    """A what-if plan (runnable=False) exists; check_plan names the rule titan-run needs."""
+    t = Target.of(_model(24, 8, 1, 16), world_size=12, seq_len=16, global_batch=2, gpus_per_node=8)
+    p = Plan(pp=12, n_microbatches=2, runnable=False)
+    assert check_plan(p, t) == [(C.R_MICRO, "plan key 'n_microbatches' (2) is too small for schedule 1F1B "
+                                            "with pp=12: needs at least 12")]
+    assert check_plan(p, t, runnable=False) == []
+    with pytest.raises(PlanError, match="too small for schedule 1F1B"):
+        Plan(pp=12, n_microbatches=2)
+    with pytest.raises(PlanError, match="must be a multiple of"):
+        Plan(pp=2, n_microbatches=5, schedule="Interleaved1F1B", stages_per_rank=2)
+
+
+def test_derived_facts_of_a_plan_and_of_a_table_agree():
+    plans = _random_plans(np.random.default_rng(1), 200)
+    table = CandidateTable.from_plans(plans)
+    for name in ("world_size", "dp", "dp_cp", "fsdp_size", "expert_fsdp_size", "n_stages", "seq_divisor",
+                 "is_v_schedule", "is_multi_stage"):
+        assert getattr(table, name).tolist() == [getattr(p, name) for p in plans], name
+    assert table.global_batch().tolist() == [p.global_batch() for p in plans]
+    p = Plan(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=4)
+    assert (p.fsdp_size, p.dp_cp, p.expert_fsdp_size, p.seq_divisor) == (8, 16, 2, 16)
+    assert Plan(tp=4).seq_divisor == 4
+    assert Plan(pp=2, n_microbatches=4, schedule="DualPipeV", stages_per_rank=2).is_v_schedule
+    assert MESH_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def test_plan_complete():
+    # dp_shard takes what remains; micro-batch 1 and the count from the global batch (estimate, trials)
+    p = Plan.complete({"tp": 8, "pp": 16, "schedule": "Interleaved1F1B"}, world_size=16384, global_batch=2048)
+    assert (p.dp_shard, p.stages_per_rank, p.microbatch, p.n_microbatches) == (128, 2, 1, 16)
+    # titan-run's default layout: the fewest micro-batches the schedule accepts, the micro-batch derived
+    p = Plan.complete({"tp": 2}, world_size=4, global_batch=8, fewest_microbatches=True)
+    assert (p.dp_shard, p.microbatch, p.n_microbatches) == (2, 4, 1)
+    p = Plan.complete({"pp": 2, "schedule": "DualPipeV"}, world_size=4, global_batch=16, fewest_microbatches=True)
+    assert (p.dp_shard, p.stages_per_rank, p.n_microbatches, p.microbatch) == (2, 2, 4, 2)
+    # given n_microbatches: the micro-batch follows
+    assert Plan.complete({"n_microbatches": 4}, world_size=2, global_batch=16).microbatch == 2
+    # without a global batch nothing is derived
+    assert Plan.complete({}, world_size=2).to_dict() == Plan(dp_shard=2).to_dict()
+    # what-if: titan-run's micro-batch rules only with runnable (the default)
+    with pytest.raises(PlanError, match="too small"):
+        Plan.complete({"pp": 4}, world_size=4, global_batch=2)
+    assert Plan.complete({"pp": 4}, world_size=4, global_batch=2, runnable=False).n_microbatches == 2
+    for partial, kw, needle in [
+        ({"tp": 3}, {"world_size": 8}, "dp_replicate*pp*tp*cp = 1*1*3*1 = 3 do not divide the world size 8"),
+        ({"microbatch": 3}, {"world_size": 2, "global_batch": 8},
+         "global batch 8 sequences is not divisible by dp*microbatch = 2*3"),
+        ({"n_microbatches": 3}, {"world_size": 2, "global_batch": 8},
+         "global batch 8 sequences is not divisible by dp*n_microbatches = 2*3"),
+        ({"tp": "2"}, {"world_size": 8}, "plan key 'tp' must be a positive integer"),
+        ({"tpp": 2}, {"world_size": 8}, "unknown key 'tpp'"),
+        ({"schedule": "1f1b"}, {"world_size": 8}, "'schedule' must be one of"),
+    ]:
+        with pytest.raises(PlanError) as e:
+            Plan.complete(partial, **kw)
+        assert needle in str(e.value)
+
+
+def test_one_printer():
+    p = Plan(dp_replicate=2, dp_shard=4, pp=2, tp=2, microbatch=2, n_microbatches=4, schedule="Interleaved1F1B",
+             stages_per_rank=2, ac="full", reshard_after_forward=False, compile=True)
+    assert p.describe() == "rep2·fsdp4·pp2·tp2 mb2x4 Interleaved1F1B/v2 ac:full noreshard compile"

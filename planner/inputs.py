@@ -1,0 +1,182 @@
+"""What titan-plan is asked: model, hardware, workload and devices, from flags, a plan file and this machine.
+
+Every `Workload` key has a flag (``--seq-len``, ``--global-batch`` or ``--global-batch-tokens``,
+``--dtype``, ``--state-layout``, ``--zero``, ``--attention-impl``, ``--dropout``,
+``--sequence-parallel``, ``--selective-ac``) and can come from a plan file's ``workload:``
+block, where an unknown key is refused by name.  A flag wins over the plan file, which wins
+over the defaults.  The result is one frozen `PlanInputs`; `PlanInputs.echo` is what
+``--json`` and the plan file's ``inputs:`` block report.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cost_models.coefficients import Coefficients
+from cost_models.specs import HardwareSpec, ModelSpec, SpecError, Workload, load_hardware, load_model
+from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_keys
+
+from .local import LocalDevices, detect_local_devices
+
+DEFAULT_MODEL = "llama3-debug"
+WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
+# the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
+WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
+                  "selective_ac")
+WORKLOAD_HELP = {
+    "dtype": "compute dtype (default bf16; fp32 on CPU)",
+    "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
+                    "default) or megatron (bf16 params + fp32 main grads/params, 18 B/param)",
+    "zero": "megatron layout: ZeRO stage, 0 = nothing sharded, >= 1 = optimizer states sharded (default 3)",
+    "attention_impl": "fused (flash / SDPA, default) or materialized (keeps the s x s scores, Megatron "
+                      "without flash attention)",
+    "dropout": "dropout masks kept for backward (default no)",
+    "sequence_parallel": "sequence parallel with tp > 1 (default yes; no = norm/dropout activations "
+                         "replicated over tp ranks)",
+    "selective_ac": "what 'ac: selective' keeps: matmul (this executor, default), op (TorchTitan's per-op "
+                    "policy) or attention (Megatron: recompute the attention core only)",
+}
+assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
+
+
+class UsageError(InputError):
+    """A flag that cannot be used as given."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a planning question is made of (what `resolve_inputs` returns)."""
+
+    model: ModelSpec
+    hardware: HardwareSpec       # with gpus_per_node set to the topology planned for
+    workload: Workload
+    gpus: int
+    gpus_per_node: int
+    coeffs: Coefficients | None
+    local: LocalDevices | None   # this machine, when it supplied the hardware or the device count
+    model_ref: str               # as given: preset name or path (what a plan file names)
+    hardware_ref: str
+    calibration: str | None = None
+
+    def echo(self) -> dict[str, Any]:
+        """Every input, as plain values (``--json`` and the plan file's ``inputs:``)."""
+        w = self.workload
+        return {"model": self.model_ref, "hardware": self.hardware_ref, "gpus": self.gpus,
+                "gpus_per_node": self.gpus_per_node, "seq_len": w.seq_len, "global_batch": w.global_batch,
+                "global_batch_tokens": w.global_batch_tokens, "dtype": w.dtype, "workload": w.to_dict(),
+                "calibration": self.calibration,
+                "local_devices": self.local.description if self.local else None}
+
+    def workload_line(self) -> str:
+        """``seq_len 8192, global batch 2048 sequences = 16,777,216 tokens, bf16`` and any non-default key."""
+        w = self.workload
+        extra = "".join(f", {k} {v}" for k, v in w.to_dict().items()
+                        if k not in ("seq_len", "global_batch", "dtype") and v != _WORKLOAD_DEFAULTS[k])
+        return (f"seq_len {w.seq_len}, global batch {w.global_batch} sequences = {w.global_batch_tokens:,} tokens, "
+                f"{w.dtype}{extra}")
+
+    def headline(self) -> str:
+        return (f"{self.model.name} on {self.gpus} x {self.hardware.name} ({self.gpus_per_node} per node), "
+                f"{self.workload_line()}" + (f"  [local: {self.local.description}]" if self.local else ""))
+
+
+_WORKLOAD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Workload)}
+
+
+# --------------------------------------------------------------------------- flags
+def add_input_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the planning question, shared by `titan-plan plan` and `titan-plan estimate`."""
+    p.add_argument("--model", help=f"model preset name or YAML path (default {DEFAULT_MODEL}; "
+                                   "'titan-plan list models')")
+    p.add_argument("--gpus", type=int, help="number of devices (default: this machine's)")
+    p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's)")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: from the hardware spec)")
+    p.add_argument("--calibration", help="calibration file from 'titan-plan calibrate'")
+    w = p.add_argument_group("workload (each also a key of a plan file's 'workload:')")
+    w.add_argument("--seq-len", type=int, help="sequence length (default: 8192, or 256 for debug models)")
+    g = w.add_mutually_exclusive_group()
+    g.add_argument("--global-batch-tokens", help="tokens per optimizer step; K/M/G suffixes are binary "
+                                                 "(4M = 4*2^20) (default: about 1M tokens)")
+    g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    hints = typing.get_type_hints(Workload)
+    for key in WORKLOAD_FLAGS:
+        flag = "--" + key.replace("_", "-")
+        typ = hints[key]
+        if typ is bool:
+            w.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None,
+                           help=WORKLOAD_HELP[key])
+        elif typing.get_origin(typ) is typing.Literal:
+            w.add_argument(flag, dest=key, choices=typing.get_args(typ), help=WORKLOAD_HELP[key])
+        else:
+            w.add_argument(flag, dest=key, type=typ, help=WORKLOAD_HELP[key])
+
+
+def parse_tokens(s: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", s)
+    if not m:
+        raise UsageError(f"--global-batch-tokens: cannot read {s!r} (examples: 4M, 1048576, 512K)")
+    mult = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}[m.group(2).lower()]
+    v = float(m.group(1)) * mult
+    if v < 1 or v != int(v):
+        raise UsageError(f"--global-batch-tokens: {s!r} is not a whole number of tokens")
+    return int(v)
+
+
+# --------------------------------------------------------------------------- resolving
+def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: str = "plan file") -> PlanInputs:
+    """The planning question from flags, then `defaults` (what a plan file says: model, hardware,
+    gpus, gpus_per_node, workload), then this machine and the built-in defaults."""
+    d = defaults or {}
+    model_ref = args.model or d.get("model") or DEFAULT_MODEL
+    model = load_model(model_ref)
+    local = None
+    hw_ref = args.hardware or d.get("hardware")
+    gpus = args.gpus if args.gpus is not None else d.get("gpus")
+    if hw_ref is None or gpus is None:
+        local = detect_local_devices()
+        hw_ref = hw_ref or local.hardware
+        gpus = gpus or local.count
+    hw = load_hardware(hw_ref)
+    if not 1 <= gpus <= MAX_WORLD_SIZE:
+        raise UsageError(f"--gpus must be in 1..{MAX_WORLD_SIZE:,}, got {str(gpus)[:30]}")
+    gpn = args.gpus_per_node or d.get("gpus_per_node") or (
+        gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
+    if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links
+        hw = dataclasses.replace(hw, gpus_per_node=int(gpn))
+    workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
+                                where=f"{where}: workload")
+    coeffs = Coefficients.load(args.calibration) if args.calibration else None
+    return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
+                      local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),
+                      calibration=args.calibration)
+
+
+def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: HardwareSpec, gpus: int,
+                     where: str = "workload") -> Workload:
+    """Flags over the plan file's `given` workload over the defaults; unknown plan-file keys refused."""
+    check_keys(given, WORKLOAD_KEYS, where=where, error=SpecError)
+    small = _n_params_estimate(model) < 1e8
+    seq_len = args.seq_len or given.get("seq_len") or (256 if small else min(8192, model.max_seq_len))
+    if args.global_batch:
+        gb = args.global_batch
+    elif args.global_batch_tokens:
+        tokens = parse_tokens(args.global_batch_tokens)
+        if tokens % seq_len:
+            raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {seq_len}")
+        gb = tokens // seq_len
+    elif given.get("global_batch"):
+        gb = given["global_batch"]
+    else:  # default: about 1M tokens for real models, 8 sequences per device for debug models
+        gb = 8 * gpus if small else max(1, 2 ** 20 // seq_len)
+    kw: dict[str, Any] = {k: given[k] for k in WORKLOAD_FLAGS if k in given}
+    kw.update({k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None})
+    kw.setdefault("dtype", "fp32" if hw.device == "cpu" else "bf16")
+    return Workload(seq_len=seq_len, global_batch=gb, **kw)
+
+
+def _n_params_estimate(model: ModelSpec) -> float:
+    return model.n_layers * 12 * model.dim ** 2 + 2 * model.vocab_size * model.dim
