@@ -190,6 +190,7 @@ def hardware_docs() -> list[tuple[str, dict]]:
     types: dict[str, list] = {k: [0.0, -1.0] + BAD_FLOAT for k in HW_FLOAT_POSITIVE}
     types.update({k: [-1.0] + BAD_FLOAT for k in HW_FLOAT_COUNT})
     types["memory_reserved_gib"] = [v for v in types["memory_reserved_gib"] if v is not None]  # None: not given
+    types["inter_node_bw_gbs"] = [v for v in types["inter_node_bw_gbs"] if v is not None]  # None: from nic_gbps
     types["gpus_per_node"] = [0] + BAD_INT
     types["sm_count"] = [0, -1, HUGE, True, "132", 1.5]
     types["host_cores"] = [0, -1, HUGE, True, "2", 1.5]

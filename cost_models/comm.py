@@ -60,17 +60,26 @@ def p2p_time(nbytes, bw, alpha):
     return alpha + nbytes / bw
 
 
-def all_to_all_time(p, nbytes, k, intra_bw, intra_alpha, inter_bw, inter_alpha):
+def all_to_all_time(p, nbytes, k, intra_bw, intra_alpha, inter_bw, inter_alpha, *, relay=0.0, off_fraction=None):
     """All-to-all where each rank sends `nbytes` in total (1/p of it to each rank, itself included);
     k = group members on the rank's node (k >= p: all intra-node).  The on-node and off-node parts
     proceed concurrently on their links; the slower one sets the time.  Uneven all-to-alls (MoE
     dispatch/combine under router imbalance): pass the busiest rank's larger direction -- links are
     full duplex, so the rank that receives (dispatch) or sends back (combine) ep_imbalance x the mean
-    sets the time, although it sends only the mean in dispatch (see `moe_traffic.py`)."""
+    sets the time, although it sends only the mean in dispatch (see `moe_traffic.py`).
+
+    `off_fraction`: the share of `nbytes` that leaves the node (default (p-k)/p, uniform
+    destinations; node-limited MoE routing sends less, `moe_traffic.ib_copies_per_token`).
+    `relay` = 1 on a rail-optimized network: a message for a GPU on another rail first crosses
+    NVLink to the local GPU on that rail, then the network (NCCL's PXN, NCCL 2.12 release notes;
+    NVIDIA blog "Doubling all2all Performance with NVIDIA Collective Communication Library 2.12",
+    2022), so (k-1)/k of the off-node bytes also load the NVLink side."""
     p = np.asarray(p, dtype=np.float64)
     k = np.minimum(np.asarray(k, dtype=np.float64), p)
-    on = (k - 1) / p * nbytes / intra_bw + (k - 1) * intra_alpha
-    off = (p - k) / p * nbytes / inter_bw + (p - k) * inter_alpha
+    off_share = (p - k) / p if off_fraction is None else np.asarray(off_fraction, dtype=np.float64)
+    on_share = (k - 1) / p + relay * off_share * (k - 1) / np.maximum(k, 1.0)
+    on = on_share * nbytes / intra_bw + (k - 1) * intra_alpha
+    off = off_share * nbytes / inter_bw + (p - k) * inter_alpha
     return np.where(p > 1, np.maximum(on, off), 0.0)
 
 

@@ -149,8 +149,17 @@ class HardwareSpec:
     gpus_per_node: int = 8
     intra_node_bw_gbs: float = 300.0
     intra_node_latency_us: float = 5.0
-    inter_node_bw_gbs: float = 25.0
+    inter_node_bw_gbs: float | None = None   # per GPU; None (not given) = from the NICs below, else 25
     inter_node_latency_us: float = 10.0
+    # -- the inter-node network as one GPU sees it: the line rate of a NIC (Gb/s) and how many GPUs
+    #    share one (DGX H100: 8x 400 Gb/s ConnectX-7, one per GPU; DGX A100: 8x 200 Gb/s HDR; AWS p4d:
+    #    4x 100 Gb/s EFA for 8 GPUs).  When given, inter_node_bw_gbs = nic_gbps / 8 / gpus_per_nic
+    #    (every GPU of a node sends at once in a data-parallel or pipeline step, so a shared NIC is
+    #    split); rail_optimized: GPU i of every node hangs off the same leaf switch (DGX SuperPOD
+    #    reference architecture), so cross-rail traffic is relayed over NVLink first (NCCL PXN)
+    nic_gbps: float | None = field(default=None, metadata=_POSITIVE_OPEN)
+    gpus_per_nic: float | None = field(default=None, metadata=_POSITIVE_OPEN)
+    rail_optimized: bool = True
     efficiency: Mapping[str, float] = field(default_factory=dict)
     memory_reserved_gib: float | None = None  # GiB of a device that the
     #   training process can never allocate tensors in (fixed per process); None (not given) =
@@ -177,6 +186,7 @@ class HardwareSpec:
 
     def __post_init__(self) -> None:
         _choice(f"hardware '{self.name}'", "device", self.device, ("cuda", "cpu", "rocm"))
+        self._network()
         for k in ("peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "memory_bw_gbs",
                   "intra_node_bw_gbs", "inter_node_bw_gbs"):
             if not getattr(self, k) > 0:
@@ -204,6 +214,29 @@ class HardwareSpec:
             raise SpecError(f"hardware '{self.name}': key 'gpu_names' must be a list of non-empty names, "
                             f"got {self.gpu_names!r}")
         object.__setattr__(self, "gpu_names", names)
+
+    def _network(self) -> None:
+        """inter_node_bw_gbs from the NICs when they are given (one home for the fact: a file that gives
+        both must agree with itself)."""
+        if self.gpus_per_nic is not None and self.nic_gbps is None:
+            raise SpecError(f"hardware '{self.name}': key 'gpus_per_nic' needs 'nic_gbps' (the NIC's line rate)")
+        if self.nic_gbps is None:
+            if self.inter_node_bw_gbs is None:
+                object.__setattr__(self, "inter_node_bw_gbs", 25.0)
+            return
+        if self.gpus_per_nic is None:
+            object.__setattr__(self, "gpus_per_nic", 1.0)
+        per_gpu = self.nic_gbps / 8.0 / self.gpus_per_nic
+        given = self.inter_node_bw_gbs
+        if given is not None and abs(given - per_gpu) > 1e-6 * per_gpu:
+            raise SpecError(f"hardware '{self.name}': key 'inter_node_bw_gbs' ({given:g}) disagrees with "
+                            f"'nic_gbps' / 8 / 'gpus_per_nic' ({per_gpu:g} GB/s); give one of them")
+        object.__setattr__(self, "inter_node_bw_gbs", per_gpu)
+
+    @property
+    def nics_per_node(self) -> float:
+        """NICs of one node (gpus_per_node / gpus_per_nic; gpus_per_node when the NICs are not given)."""
+        return self.gpus_per_node / (self.gpus_per_nic or 1.0)
 
     @property
     def supports_float8(self) -> bool:

@@ -21,7 +21,7 @@ from .comm import all_reduce_time, all_to_all_time, axis_links, group_link, link
 from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, head_kernels, kernels_per_block,
                       launch_bound, layer_gemms)
 from .flops import attention_dims, layer_matmuls
-from .memory import layer_mix, layers_per_rank, rank_params
+from .layout import layer_mix, layers_per_rank, rank_params
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
 
@@ -119,7 +119,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         b = launch_bound(gpu_b + g_w + tpb, host_b, r.sharpness) - g_w - tpb
         if moe:   # EP dispatch + combine all-to-alls (Lepikhin et al. 2020, arXiv:2006.16668), each way
             a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
-            a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp)
+            a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized))
             dual = table.schedule == SCHEDULES.index("DualPipeV")
             exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
             exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),

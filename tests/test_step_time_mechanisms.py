@@ -60,7 +60,8 @@ def test_backward_window_hides_the_sum_of_its_collectives_not_each_alone():
     alone would hide (Zhao et al. 2023, Sec. 3.4)."""
     import dataclasses
     model = load_model("llama3-8b")
-    hw = dataclasses.replace(load_hardware("h100-sxm"), inter_node_bw_gbs=6.0)
+    hw = dataclasses.replace(load_hardware("h100-sxm"), inter_node_bw_gbs=6.0, nic_gbps=None,
+                              gpus_per_nic=None)
     wl = Workload(seq_len=8192, global_batch=64)
     coeffs = Coefficients()
     t = CandidateTable.from_plans([Plan(dp_shard=64, microbatch=1, n_microbatches=1, ac="full")])
@@ -75,3 +76,26 @@ def test_backward_window_hides_the_sum_of_its_collectives_not_each_alone():
                                             reshard_after_forward=False)])
     off, _ = S.data_parallel(off_t, model, hw, wl, coeffs, links, r, st)
     assert on[0] - off[0] == pytest.approx(model.n_layers * (ag + rs - window), rel=1e-6)
+
+
+def test_nic_fields_decide_the_per_gpu_network_bandwidth():
+    from cost_models.specs import SpecError, hardware_from_dict
+    base = dict(name="x", device="cuda", peak_tflops_bf16=300.0, peak_tflops_fp32=20.0)
+    p4d = hardware_from_dict({**base, "nic_gbps": 100.0, "gpus_per_nic": 2.0})   # 4x 100 Gb/s EFA / 8 GPUs
+    assert p4d.inter_node_bw_gbs == pytest.approx(6.25) and p4d.nics_per_node == pytest.approx(4)
+    for name in ("h100-sxm", "h800", "h200", "b200"):
+        assert load_hardware(name).inter_node_bw_gbs == pytest.approx(50.0)    # 400 Gb/s per GPU
+    assert load_hardware("a100-80g").inter_node_bw_gbs == pytest.approx(25.0)  # 200 Gb/s HDR per GPU
+    with pytest.raises(SpecError, match="'inter_node_bw_gbs' \\(50\\) disagrees"):
+        hardware_from_dict({**base, "nic_gbps": 200.0, "inter_node_bw_gbs": 50.0})
+    with pytest.raises(SpecError, match="'gpus_per_nic' needs 'nic_gbps'"):
+        hardware_from_dict({**base, "gpus_per_nic": 2.0})
+
+
+def test_rail_optimized_all_to_all_relays_off_rail_bytes_over_nvlink():
+    from cost_models.comm import all_to_all_time
+    # 16 ranks, 8 per node; NVLink only 1.5x the NIC so the relayed share shows
+    plain = all_to_all_time(16, 1.6e9, 8, 1.5e10, 0.0, 1e10, 0.0)
+    relayed = all_to_all_time(16, 1.6e9, 8, 1.5e10, 0.0, 1e10, 0.0, relay=1.0)
+    assert plain == pytest.approx(0.08)                                  # 8/16 off-node at 10 GB/s
+    assert relayed == pytest.approx((7 / 16 + 8 / 16 * 7 / 8) * 1.6e9 / 1.5e10)  # NVLink now the bottleneck
