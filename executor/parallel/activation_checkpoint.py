@@ -1,12 +1,15 @@
 """Activation checkpointing per transformer block.
 
 * ``full``: the whole block is recomputed in backward (only its input is saved).
-* ``selective``: op-level selective checkpointing (Korthikanti et al. 2022,
-  as in TorchTitan's "op" SAC): the outputs of matmuls, the attention kernel
-  and collectives are saved; everything else (norms, RoPE, SiLU, residual adds
-  and other elementwise ops) is recomputed.  This keeps the expensive FLOPs
-  and communication out of the recomputation and drops the many cheap,
-  memory-heavy elementwise activations.
+* ``selective``: op-level selective checkpointing (Korthikanti et al. 2022)
+  that saves the output of *every* matmul, of the attention kernel and of the
+  collectives (``_SAVE_NAMES``); everything else (norms, RoPE, SiLU, residual
+  adds and other elementwise ops) is recomputed.  No matmul and no collective
+  is recomputed, and the many cheap, memory-heavy elementwise activations are
+  dropped.  This is the cost model's ``workload.selective_ac: matmul`` (the
+  default, ``cost_models/memory.py``); it is not TorchTitan's "op" policy,
+  which also recomputes every second ``mm`` (``selective_ac: op``).
+  tests/test_selective_ac.py counts the bytes it keeps against the cost model.
 * ``none``: nothing.
 
 Wrapping uses ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``);

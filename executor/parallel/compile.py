@@ -5,7 +5,7 @@ change; identical blocks share one compiled graph (parameters are graph
 inputs).  Applied after TP/CP/AC and before FSDP (FSDP's hooks stay outside
 the compiled region).  Ring attention must exclude itself from compilation
 (``torch.compiler.disable``): compiled ring collectives deadlock on gloo
-(TORCH_ON_CPU.md item 9a).
+(docs/torch_on_cpu.md §8a).
 """
 from __future__ import annotations
 

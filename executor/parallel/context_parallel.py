@@ -16,7 +16,7 @@ compile, FSDP):
 
 Why not ``torch.distributed.tensor.experimental.context_parallel``: on CPU it
 fails (no sharding strategy for ``aten._scaled_dot_product_flash_attention_for_cpu``;
-see shared/TORCH_ON_CPU.md item 5), and its buffer-swapping context manager is
+see docs/torch_on_cpu.md §5), and its buffer-swapping context manager is
 hard to combine with pipeline parallel.  Our ring is a plain autograd
 function over P2P sends, identical on gloo and NCCL.
 

@@ -71,7 +71,7 @@ def uses_fsdp(plan: Plan, precision: Precision) -> bool:
 
 
 def tp_shards_embedding(plan: Plan) -> bool:
-    """Vocab-shard the embedding under TP, except with compile (docs/torch_on_cpu.md item 9c)."""
+    """Vocab-shard the embedding under TP, except with compile (docs/torch_on_cpu.md §8c)."""
     return not plan.compile
 
 

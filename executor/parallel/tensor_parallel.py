@@ -11,7 +11,7 @@ The token embedding is vocab-sharded (``RowwiseParallel``) unless
 ``shard_embedding=False``: then it is replicated over tp and its output is cut
 to this rank's sequence chunk (backward all-gathers the gradient).  The
 executor uses that when compiling, because a TP-sharded embedding + compiled
-blocks + FSDP trains silently wrong on torch 2.13/2.14 (TORCH_ON_CPU.md item 9c).
+blocks + FSDP trains silently wrong on torch 2.13/2.14 (docs/torch_on_cpu.md §8c).
 
 Mixture-of-experts blocks (``block.moe_enabled``): only attention is
 TP-sharded.  The MoE layer is token-wise, so it runs on the sequence-parallel

@@ -1,0 +1,155 @@
+"""What activation checkpointing really keeps for backward, against the cost model's per-layer terms.
+
+One transformer block is run forward under the executor's own wrapping (``apply_ac``, and
+``apply_tp`` for the tp case); every tensor produced during that forward is recorded by a
+``TorchDispatchMode`` with a weak reference to its storage.  After the forward (and a
+``gc.collect()``), the storages still alive -- other than the parameters, the block's inputs and
+its output -- are exactly what autograd and the checkpoint keep until backward: with
+``selective`` the outputs the policy saves (``torch.utils.checkpoint``'s selective-checkpoint
+cache), with ``none`` autograd's saved tensors, with ``full`` nothing but the input.  Their bytes
+are compared with ``cost_models.memory.layer_activation_terms`` for the same dims, whose block-input
+term counts the input the checkpoint keeps for its recomputation (so the input is added to the
+measurement).
+
+Exact (to the byte) for ``selective`` and ``full`` at tp 1 (llama3-debug, GQA), fp32 and bf16.  Not
+checked: MLA blocks, whose value width differs from the query width, so CPU SDPA takes its math
+path and keeps the s x s scores (``bmm`` outputs) that the cost model's fused-attention term does
+not have (on GPUs a fused kernel runs); MoE blocks, whose CPU expert matmuls are padded to the
+busiest expert (routing-dependent sizes).  At tp 2
+(sequence parallel, one rank of a fake process group) the executor also keeps the outputs of the
+two reduce-scatters (after the row-parallel ``wo`` and ``w2``: ``2 * e * dim / tp`` bytes per
+token), which the cost model's ``matmul`` policy does not count yet: that term is named below and
+added explicitly.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from cost_models.memory import FULL, FULL_TP, SCORE, SEQ, SHARD, layer_activation_terms
+from cost_models.specs import Workload, load_model
+from executor.models.layers import rope_cos_sin
+from executor.models.llama import TransformerBlock
+from executor.parallel.activation_checkpoint import apply_ac
+from executor.parallel.tensor_parallel import apply_tp
+
+BATCH, SEQ_LEN = 2, 64
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the data of `t` (the local shard of a DTensor, the inner tensor of a wrapper)."""
+    while is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
+    return t
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.produced: list[tuple[str, StorageWeakRef, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = _plain(t).untyped_storage()
+                self.produced.append((str(func), StorageWeakRef(st), st.data_ptr(), st.nbytes()))
+        return out
+
+
+class _OneBlock(nn.Module):
+    """A model of one block (what apply_tp / apply_ac act on: ``model.layers``)."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": TransformerBlock(0, spec)})
+
+
+def kept_for_backward(spec, ac: str, dtype: torch.dtype, tp_mesh=None) -> tuple[int, dict[str, int]]:
+    """(bytes this rank keeps for backward after one block's forward, bytes by producing op)."""
+    torch.manual_seed(0)
+    model = _OneBlock(spec)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    apply_ac(model, ac)
+    model.to(dtype)
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    x = torch.randn(BATCH, SEQ_LEN // tp, spec.dim, dtype=dtype, requires_grad=True)   # sequence-sharded under SP
+    rope_dim = spec.qk_rope_head_dim if spec.attention == "mla" else spec.head_dim
+    cos, sin = rope_cos_sin(torch.arange(SEQ_LEN), rope_dim, spec.rope_theta, dtype)
+    rec = _Outputs()
+    with rec:
+        out = model.layers["0"](x, cos, sin)
+    gc.collect()
+    not_activations = {_plain(t).untyped_storage().data_ptr() for t in [out, x, cos, sin, *model.parameters()]}
+    seen, by_op = set(), {}
+    for name, ref, ptr, nbytes in rec.produced:
+        if ref.expired() or ptr in not_activations or ptr in seen:
+            continue
+        seen.add(ptr)
+        by_op[name] = by_op.get(name, 0) + nbytes
+    out.float().sum().backward()          # the kept tensors were usable: backward runs
+    assert x.grad is not None
+    input_bytes = x.numel() * x.element_size()            # kept by the checkpoint for its recomputation
+    return sum(by_op.values()) + (input_bytes if ac != "none" else 0), by_op
+
+
+def modelled_bytes(spec, ac: str, dtype: str, tp: int) -> float:
+    """The cost model's bytes per rank for the same block and tokens (tp: sequence-parallel, fsdp2 layout)."""
+    t = layer_activation_terms(spec, Workload(seq_len=SEQ_LEN, global_batch=1, dtype=dtype), moe=False, ac=ac,
+                               compiled=False)
+    per_token = (t[SEQ] + t[SHARD] + t[SCORE] * SEQ_LEN) / tp + t[FULL] + (t[FULL_TP] if tp > 1 else 0.0)
+    return per_token * BATCH * SEQ_LEN
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_saved_bytes_match_the_cost_model(dtype, ac):
+    spec = load_model("llama3-debug")
+    measured, by_op = kept_for_backward(spec, ac, torch.float32 if dtype == "fp32" else torch.bfloat16)
+    assert measured == modelled_bytes(spec, ac, dtype, tp=1), by_op
+    if ac == "selective":
+        # what the policy keeps: matmul and attention outputs only, no elementwise op
+        assert set(by_op) <= {"aten.mm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"}, by_op
+
+
+def test_no_checkpointing_keeps_more_than_selective():
+    spec = load_model("llama3-debug")
+    none, _ = kept_for_backward(spec, "none", torch.float32)
+    selective, _ = kept_for_backward(spec, "selective", torch.float32)
+    full, _ = kept_for_backward(spec, "full", torch.float32)
+    assert full < selective < none
+
+
+@pytest.fixture
+def tp2_mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_selective_under_tensor_parallel(tp2_mesh):
+    spec = load_model("llama3-debug")
+    tp, e = 2, 4
+    measured, by_op = kept_for_backward(spec, "selective", torch.float32, tp_mesh=tp2_mesh)
+    # kept by the executor, not in the cost model's 'matmul' term: the reduce-scatter outputs of the two
+    # row-parallel matmuls (wo, w2), sequence-sharded residual-stream tensors
+    unmodelled_reduce_scatter = 2 * e * spec.dim / tp * BATCH * SEQ_LEN
+    assert by_op["_c10d_functional.reduce_scatter_tensor.default"] == unmodelled_reduce_scatter
+    # the all-gathered attention and FFN inputs: the FULL_TP term
+    assert by_op["_c10d_functional.all_gather_into_tensor.default"] == 2 * e * spec.dim * BATCH * SEQ_LEN
+    assert measured == modelled_bytes(spec, "selective", "fp32", tp) + unmodelled_reduce_scatter, by_op
