@@ -1,17 +1,19 @@
 """Per-rank memory, as a breakdown, for every candidate of a `CandidateTable`.
 
 Keys (bytes, worst rank): params, grads, optimizer, activations, logits, fsdp_buffers,
-overhead.  The worst rank is the heavier of the first pipeline rank (embedding, the most
-in-flight micro-batches) and the last (LM head and logits); they coincide when pp == 1
-and for the V schedules (rank 0 holds the first and the last stage).
+overhead.  The worst rank is the heaviest of the first pipeline rank (embedding, the most
+in-flight micro-batches), the last (LM head and logits; under the V schedules rank 0 holds
+both ends) and the busiest (most MoE blocks, then most blocks): `cost_models.layout`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from search_spaces.plan import AC_MODES, SCHEDULES
+from search_spaces.plan import AC_MODES
 
-from .flops import COL, NONE, ROW, attention_dims, layer_matmuls, norm_params, param_counts
+from .flops import COL, ROW, attention_dims, layer_matmuls
+from .layout import (RANKS, in_flight_microbatches, in_flight_on_rank, layer_mix, layers_per_rank,  # noqa: F401
+                     rank_index, rank_params)
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
 
@@ -20,69 +22,6 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_bu
 # (torch.nn.functional.cross_entropy on .float() logits, as TorchTitan and Megatron's
 # vocab-parallel loss do): 3 x 4 bytes per logit.
 LOGIT_BYTES = 12.0
-
-
-# --------------------------------------------------------------------------- layout helpers
-def layers_per_rank(table, model) -> np.ndarray:
-    """ceil(L / (pp * v)) * v: the layers of the most loaded pipeline rank."""
-    v = table.stages_per_rank
-    return -(-model.n_layers // (table.pp * v)) * v
-
-
-def layer_mix(table, model, first: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(dense, moe) block counts on the first pipeline rank (which gets the leading dense blocks)
-    or on the most MoE-heavy rank."""
-    n = layers_per_rank(table, model)
-    if not model.is_moe:
-        return n, np.zeros_like(n)
-    if first:
-        dense = np.minimum(n, model.n_layers - model.n_moe_layers)
-        return dense, np.minimum(n - dense, model.n_moe_layers)
-    moe = np.minimum(n, model.n_moe_layers)
-    return n - moe, moe
-
-
-def in_flight_microbatches(table) -> tuple[np.ndarray, np.ndarray]:
-    """Micro-batches whose activations (for all of the rank's layers) are alive at the peak,
-    on the first and on the last pipeline rank.
-
-    * no pipeline: 1 (each micro-batch's backward ends before the next forward);
-    * GPipe: all n_microbatches (Huang et al. 2019, arXiv:1811.06965);
-    * 1F1B: pp on the first rank, 1 on the last (Narayanan et al. 2021, arXiv:2104.04473,
-      Sec. 2.2.1; Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.3);
-    * Interleaved1F1B with v stages per rank: pp * (1 + (pp-1)/(pp*v)) on the first rank
-      (Korthikanti Sec. 4.2.3, after Narayanan Sec. 2.2.2); the last rank runs (v-1)*pp + 1
-      warm-up chunks = ((v-1)*pp + 1)/v rank-micro-batches;
-    * ZBVZeroBubble: pp -- ZB-V keeps 1F1B's peak (Qi et al. 2024, arXiv:2401.10241, Sec. 6);
-    * DualPipeV: pp + 1/2 in torch's DualPipeV (the actions of each rank in torch 2.14's
-      ``pipeline_order``, replayed by ``titan-run --dry-run --memory``: at most 2.5 rank-micro-batches
-      in flight at pp 2 and 4.5 at pp 4 -- half a rank's layers less than the pp + 1 of the
-      DeepSeek-V3 report, arXiv:2412.19437, Table 2, "Activation").
-    """
-    pp = table.pp.astype(np.float64)
-    v = table.stages_per_rank.astype(np.float64)
-    nmb = table.n_microbatches.astype(np.float64)
-    first = np.ones(len(table))
-    last = np.ones(len(table))
-    s = table.schedule
-    g = s == SCHEDULES.index("GPipe")
-    first[g], last[g] = nmb[g], nmb[g]
-    o = s == SCHEDULES.index("1F1B")
-    first[o] = np.minimum(pp[o], nmb[o])
-    i = s == SCHEDULES.index("Interleaved1F1B")
-    first[i] = np.minimum(pp[i] * (1 + (pp[i] - 1) / (pp[i] * v[i])), nmb[i])
-    last[i] = ((v[i] - 1) * pp[i] + 1) / v[i]
-    z = s == SCHEDULES.index("ZBVZeroBubble")
-    first[z] = last[z] = np.minimum(pp[z], nmb[z])
-    d = s == SCHEDULES.index("DualPipeV")
-    first[d] = last[d] = np.minimum(pp[d] + 0.5, nmb[d])
-    single = table.pp == 1
-    first[single], last[single] = 1.0, 1.0
-    return first, last
-
-
-def v_schedule(table) -> np.ndarray:
-    return (table.schedule == SCHEDULES.index("ZBVZeroBubble")) | (table.schedule == SCHEDULES.index("DualPipeV"))
 
 
 # --------------------------------------------------------------------------- activations
@@ -297,46 +236,6 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
     return tokens * (norm_in / sp + head_in)
 
 
-# --------------------------------------------------------------------------- parameters per rank
-def rank_params(table, model) -> dict[str, np.ndarray]:
-    """Local (TP/EP-sharded, not yet FSDP-sharded) parameter counts of the first and the
-    most MoE-heavy (last) pipeline rank, and of the largest FSDP unit."""
-    pc = param_counts(model)
-    tp = table.tp.astype(np.float64)
-
-    def sharded(mms, moe_local=1.0):
-        tot = 0.0 * tp
-        for m in mms:
-            tot = tot + m.params * (moe_local if m.expert else 1.0) / (1.0 if m.shard == NONE else tp)
-        return tot
-
-    local_experts = model.n_experts / table.ep if model.is_moe else 0.0
-    dense_block = sharded(layer_matmuls(model, False)) + norm_params(model)
-    out = {}
-    if model.is_moe:
-        mm = layer_matmuls(model, True)
-        moe_dense = sharded([m for m in mm if not m.expert]) + norm_params(model)
-        moe_expert = sharded([m for m in mm if m.expert], local_experts)
-    else:
-        moe_dense = moe_expert = 0.0 * tp
-    emb, head = pc["embedding"] / tp, (pc["lm_head"] / tp) + pc["final_norm"]
-    v_sched = v_schedule(table)
-    single = table.pp == 1
-    for which, first in (("first", True), ("last", False)):
-        nd, nm = layer_mix(table, model, first)
-        dense = nd * dense_block + nm * moe_dense
-        has_emb = np.ones(len(table), bool) if first else (single | v_sched)
-        has_head = (single | v_sched) if first else np.ones(len(table), bool)
-        dense = dense + np.where(has_emb, emb, 0.0) + np.where(has_head, head, 0.0)
-        out[f"{which}_dense"] = dense
-        out[f"{which}_expert"] = nm * moe_expert
-        out[f"{which}_unit"] = np.maximum.reduce([dense_block, moe_dense + moe_expert * (nm > 0),
-                                                  np.where(has_emb, emb, 0.0), np.where(has_head, head, 0.0)])
-        out[f"{which}_has_head"] = has_head
-    out["dense_block"], out["moe_dense_block"], out["moe_expert_block"] = dense_block, moe_dense, moe_expert
-    return out
-
-
 # --------------------------------------------------------------------------- the breakdown
 def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool = True) -> dict[str, np.ndarray]:
     """Per-rank bytes by category for the worst pipeline rank.
@@ -359,7 +258,6 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
     moe_act, ws_moe = (per_layer_activation_bytes(table, model, workload, coeffs, moe=True)
                        if model.is_moe else (0.0, 0.0))
     working_set = np.maximum(ws_dense, ws_moe)
-    infl_first, infl_last = in_flight_microbatches(table)
     tokens = table.microbatch * workload.seq_len / table.cp
     logits_one = tokens * model.vocab_size / table.tp * LOGIT_BYTES
     # On the loss stage with pp > 1 the pipeline keeps every in-flight micro-batch's stage output
@@ -375,7 +273,8 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
     pipe = pipeline_extra_bytes(table, model, workload)
 
     results = {}
-    for which, infl in (("first", infl_first), ("last", infl_last)):
+    for which in RANKS:
+        infl = in_flight_on_rank(table, rank_index(table, model, which))
         dense_p, expert_p, unit = rp[f"{which}_dense"], rp[f"{which}_expert"], rp[f"{which}_unit"]
         local = dense_p + expert_p
         if workload.state_layout == "fsdp2":
@@ -411,7 +310,7 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
             grads = 4.0 * (sh if z >= 2 else local)
             optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
             fsdp = np.zeros(n)
-        nd, nm = layer_mix(table, model, which == "first")
+        nd, nm = rp[f"{which}_layers"]
         per_mb = nd * dense_act + nm * moe_act
         has_head = rp[f"{which}_has_head"]
         per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
@@ -439,6 +338,6 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
         grads = np.where(one_pass, np.maximum(0.0, grads - (acts + logits + fsdp)), grads)
         results[which] = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, logits=logits,
                               fsdp_buffers=fsdp, overhead=overhead + np.zeros(n))
-    tot = {w: sum(results[w].values()) for w in results}
-    pick_first = tot["first"] >= tot["last"]
-    return {k: np.where(pick_first, results["first"][k], results["last"][k]) for k in MEMORY_KEYS}
+    totals = np.array([sum(results[w].values()) for w in RANKS])
+    worst = np.argmax(totals, axis=0)                # ties: the first of RANKS
+    return {k: np.choose(worst, [results[w][k] for w in RANKS]) for k in MEMORY_KEYS}

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .memory import layer_mix
+from .layout import layer_mix
 
 
 def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:

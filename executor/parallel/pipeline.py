@@ -73,6 +73,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from cost_models.layout import stage_layer_counts
 from search_spaces.plan import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Plan
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,10 @@ log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- split
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer ranges per stage; sizes differ by at most 1 (earlier stages larger)."""
-    if n_stages > n_layers:
-        raise ValueError(f"pipeline needs at least one layer per stage: pp*stages_per_rank = {n_stages} "
-                         f"stages but the model has {n_layers} layers (plan keys 'pp', 'stages_per_rank')")
-    base, extra = divmod(n_layers, n_stages)
+    """Contiguous layer ranges per stage, sized by `cost_models.layout.stage_layer_counts` (the one
+    split the cost model counts too): sizes differ by at most 1, the earlier stages larger."""
     out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
+    for n in stage_layer_counts(n_layers, n_stages):
         out.append(range(start, start + n))
         start += n
     return out

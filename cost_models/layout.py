@@ -1,0 +1,224 @@
+"""Where the layers go, for every candidate of a `CandidateTable` at once.
+
+One split for the cost model and the executor: `stage_layer_counts` is what
+``executor.parallel.pipeline.split_layers`` cuts the model by, and the vectorized
+functions below count the same layers per pipeline rank under each schedule's
+stage placement (the executor's ``stage_ids_for_rank``):
+
+* GPipe / 1F1B: rank r holds stage r;
+* Interleaved1F1B (loop placement): stages r, r + pp, ..., r + (v-1) pp;
+* ZBVZeroBubble / DualPipeV (V placement): stages r and 2 pp - 1 - r.
+
+Stage s of S = pp * v holds ``base + (s < extra)`` layers (``base, extra = divmod(L, S)``): the
+earlier stages take the extra layers, so the last stage (norm and LM head) is never the biggest.
+MoE models put their ``n_dense_layers`` dense blocks first.
+
+The ranks the cost model looks at: the first (rank 0: embedding, the most micro-batches in flight
+under 1F1B), the last (rank pp-1: the LM head and the logits, except under the V placement, where
+rank 0 holds both ends), and the busiest (the most MoE blocks, then the most blocks: the rank
+whose compute paces the pipeline).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from search_spaces.plan import SCHEDULES
+
+from .flops import NONE, layer_matmuls, norm_params, param_counts
+
+RANKS = ("first", "last", "busiest")
+
+
+# --------------------------------------------------------------------------- the split (scalar)
+def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
+    """Layers of each pipeline stage, in stage order: as even as possible, the earlier stages larger."""
+    if n_stages > n_layers:
+        raise ValueError(f"pipeline needs at least one layer per stage: pp*stages_per_rank = {n_stages} "
+                         f"stages but the model has {n_layers} layers (plan keys 'pp', 'stages_per_rank')")
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+# --------------------------------------------------------------------------- per rank (vectorized)
+def _split(table, n_layers: int):
+    s = (table.pp * table.stages_per_rank).astype(np.int64)
+    return s, n_layers // s, n_layers % s
+
+
+def _stage_start(s, base, extra, stage):
+    """First layer id of `stage`."""
+    return stage * base + np.minimum(stage, extra)
+
+
+def rank_stages(table, rank) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(stage id, held)] per stage slot k of pipeline rank `rank` (an array or int): loop placement
+    ``rank + k pp``, V placement ``rank, 2 pp - 1 - rank``; `held` is False past the rank's v slots."""
+    pp, v = table.pp, table.stages_per_rank
+    rank = np.broadcast_to(np.asarray(rank, dtype=np.int64), pp.shape)
+    out = []
+    for k in range(int(v.max()) if len(v) else 1):
+        stage = np.where(table.is_v_schedule & (k == 1), 2 * pp - 1 - rank, rank + k * pp)
+        out.append((stage, k < v))
+    return out
+
+
+def rank_layers(table, n_layers: int, rank, below: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(layers on pipeline rank `rank`, how many of them have a layer id < `below`)."""
+    s, base, extra = _split(table, n_layers)
+    total = np.zeros(len(table), dtype=np.int64)
+    first = np.zeros(len(table), dtype=np.int64)
+    for stage, held in rank_stages(table, rank):
+        lo = _stage_start(s, base, extra, stage)
+        n = base + (stage < extra)
+        total += np.where(held, n, 0)
+        first += np.where(held, np.clip(below - lo, 0, n), 0)
+    return total, first
+
+
+def busiest_rank_layers(table, n_layers: int) -> np.ndarray:
+    """Layers on the most loaded pipeline rank: ``v * base + ceil(extra / pp)`` under every placement
+    (the loop and the V placements both spread the extra layers of the first stages over the ranks)."""
+    s, base, extra = _split(table, n_layers)
+    return table.stages_per_rank * base + -(-extra // table.pp)
+
+
+def rank_index(table, model, which: str) -> np.ndarray:
+    """The pipeline rank `which` ('first', 'last' or 'busiest') of every candidate."""
+    pp = table.pp.astype(np.int64)
+    if which == "first":
+        return np.zeros(len(table), dtype=np.int64)
+    if which == "last":
+        return pp - 1
+    assert which == "busiest", which
+    # the first rank whose first stage holds no dense block: it, or the last rank, has the most MoE
+    # blocks (stage sizes fall with the stage id; under V the second stage's grow with the rank)
+    s, base, extra = _split(table, model.n_layers)
+    nd = model.n_layers - model.n_moe_layers
+    big = extra * (base + 1)                          # layers in the larger stages
+    s_moe = np.where(nd <= big, -(-nd // (base + 1)), extra + -(-(nd - big) // np.maximum(base, 1)))
+    cands = [np.zeros_like(pp), np.minimum(s_moe, pp - 1), pp - 1]
+    best, key = cands[0], None
+    for r in cands:
+        tot, dense = rank_layers(table, model.n_layers, r, nd)
+        k = (tot - dense) * (model.n_layers + 1) + tot      # most MoE blocks, then most blocks
+        if key is None:
+            key = k
+        else:
+            best, key = np.where(k > key, r, best), np.maximum(k, key)
+    return best
+
+
+def layer_mix(table, model, first: bool = False, *, which: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, moe) block counts on the first pipeline rank (`first`) or on the busiest one, or on
+    the rank named by `which` ('first', 'last', 'busiest')."""
+    which = which or ("first" if first else "busiest")
+    nd = model.n_layers - model.n_moe_layers
+    tot, dense = rank_layers(table, model.n_layers, rank_index(table, model, which), nd)
+    return dense, tot - dense
+
+
+def layers_per_rank(table, model) -> np.ndarray:
+    """The layers of the most loaded pipeline rank."""
+    return busiest_rank_layers(table, model.n_layers)
+
+
+def holds_ends(table, model, which: str) -> tuple[np.ndarray, np.ndarray]:
+    """(holds the embedding, holds the final norm and LM head): the ranks of stage 0 and stage S-1."""
+    r = rank_index(table, model, which)
+    last_stage = table.pp * table.stages_per_rank - 1
+    emb = np.zeros(len(table), bool)
+    head = np.zeros(len(table), bool)
+    for stage, held in rank_stages(table, r):
+        emb |= held & (stage == 0)
+        head |= held & (stage == last_stage)
+    return emb, head
+
+
+# --------------------------------------------------------------------------- micro-batches in flight
+def in_flight_on_rank(table, rank) -> np.ndarray:
+    """Micro-batches whose activations (for all of the rank's layers) are alive at the peak of
+    pipeline rank `rank`.
+
+    * no pipeline: 1 (each micro-batch's backward ends before the next forward);
+    * GPipe: all n_microbatches (Huang et al. 2019, arXiv:1811.06965);
+    * 1F1B: pp - r warm-up forwards (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2.1;
+      Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.3): pp on the first rank, 1 on the last;
+    * Interleaved1F1B with v stages per rank: torch's ScheduleInterleaved1F1B runs
+      (v-1) pp + 2 (pp-1-r) warm-up chunks, so (v-1) pp + 2 (pp-1-r) + 1 chunks = that / v
+      rank-micro-batches are alive: pp (1 + (pp-1)/(pp v)) on the first rank (Korthikanti
+      Sec. 4.2.3, after Narayanan Sec. 2.2.2), ((v-1) pp + 1)/v on the last;
+    * ZBVZeroBubble: pp -- ZB-V keeps 1F1B's peak (Qi et al. 2024, arXiv:2401.10241, Sec. 6);
+    * DualPipeV: pp + 1/2 in torch's DualPipeV (the actions of each rank in torch 2.14's
+      ``pipeline_order``, replayed by ``titan-run --dry-run --memory``: at most 2.5 rank-micro-batches
+      in flight at pp 2 and 4.5 at pp 4 -- half a rank's layers less than the pp + 1 of the
+      DeepSeek-V3 report, arXiv:2412.19437, Table 2, "Activation").
+    None exceeds n_microbatches.
+    """
+    pp = table.pp.astype(np.float64)
+    v = table.stages_per_rank.astype(np.float64)
+    nmb = table.n_microbatches.astype(np.float64)
+    r = np.broadcast_to(np.asarray(rank, dtype=np.float64), pp.shape)
+    s = table.schedule
+    out = np.ones(len(table))
+    g = s == SCHEDULES.index("GPipe")
+    out[g] = nmb[g]
+    o = s == SCHEDULES.index("1F1B")
+    out[o] = pp[o] - r[o]
+    i = s == SCHEDULES.index("Interleaved1F1B")
+    out[i] = ((v[i] - 1) * pp[i] + 2 * (pp[i] - 1 - r[i]) + 1) / v[i]
+    z = s == SCHEDULES.index("ZBVZeroBubble")
+    out[z] = pp[z]
+    d = s == SCHEDULES.index("DualPipeV")
+    out[d] = pp[d] + 0.5
+    out = np.minimum(out, nmb)
+    out[table.pp == 1] = 1.0
+    return out
+
+
+def in_flight_microbatches(table) -> tuple[np.ndarray, np.ndarray]:
+    """`in_flight_on_rank` of the first and of the last pipeline rank."""
+    return in_flight_on_rank(table, 0), in_flight_on_rank(table, table.pp - 1)
+
+
+def v_schedule(table) -> np.ndarray:
+    return table.is_v_schedule
+
+
+# --------------------------------------------------------------------------- parameters per rank
+def rank_params(table, model) -> dict[str, np.ndarray]:
+    """Local (TP/EP-sharded, not yet FSDP-sharded) parameter counts of the first, last and busiest
+    pipeline ranks (keys ``{rank}_dense``, ``{rank}_expert``, ``{rank}_unit``: the largest FSDP unit,
+    ``{rank}_has_head``, ``{rank}_has_emb``), and of one block (``dense_block``, ``moe_dense_block``,
+    ``moe_expert_block``)."""
+    pc = param_counts(model)
+    tp = table.tp.astype(np.float64)
+
+    def sharded(mms, moe_local=1.0):
+        tot = 0.0 * tp
+        for m in mms:
+            tot = tot + m.params * (moe_local if m.expert else 1.0) / (1.0 if m.shard == NONE else tp)
+        return tot
+
+    local_experts = model.n_experts / table.ep if model.is_moe else 0.0
+    dense_block = sharded(layer_matmuls(model, False)) + norm_params(model)
+    if model.is_moe:
+        mm = layer_matmuls(model, True)
+        moe_dense = sharded([m for m in mm if not m.expert]) + norm_params(model)
+        moe_expert = sharded([m for m in mm if m.expert], local_experts)
+    else:
+        moe_dense = moe_expert = 0.0 * tp
+    emb, head = pc["embedding"] / tp, (pc["lm_head"] / tp) + pc["final_norm"]
+    out = {}
+    for which in RANKS:
+        nd, nm = layer_mix(table, model, which=which)
+        has_emb, has_head = holds_ends(table, model, which)
+        dense = nd * dense_block + nm * moe_dense + np.where(has_emb, emb, 0.0) + np.where(has_head, head, 0.0)
+        out[f"{which}_dense"] = dense
+        out[f"{which}_expert"] = nm * moe_expert
+        out[f"{which}_unit"] = np.maximum.reduce([dense_block * (nd > 0), moe_dense + moe_expert * (nm > 0),
+                                                  np.where(has_emb, emb, 0.0), np.where(has_head, head, 0.0)])
+        out[f"{which}_has_head"] = has_head
+        out[f"{which}_has_emb"] = has_emb
+        out[f"{which}_layers"] = (nd, nm)
+    out["dense_block"], out["moe_dense_block"], out["moe_expert_block"] = dense_block, moe_dense, moe_expert
+    return out

@@ -1,0 +1,124 @@
+"""cost_models.layout: the one pipeline split, tied to the executor's (issue 12 item 2)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cost_models.coefficients import Coefficients
+from cost_models.estimate import estimate
+from cost_models.layout import (busiest_rank_layers, holds_ends, in_flight_on_rank, layer_mix, rank_index,
+                                rank_layers, stage_layer_counts)
+from cost_models.specs import Workload, load_hardware, load_model
+from executor.dry_run_step import rank_actions
+from executor.parallel.pipeline import split_layers, stage_ids_for_rank
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
+
+
+def _plans():
+    out = []
+    for L, pp in itertools.product((3, 5, 8, 13, 16, 61, 80, 126), (1, 2, 3, 4, 7, 8, 16)):
+        for sched, vs in (("1F1B", (1,)), ("GPipe", (1,)), ("Interleaved1F1B", (2, 3, 4, 5)),
+                          ("ZBVZeroBubble", (2,)), ("DualPipeV", (2,))):
+            for v in vs:
+                if pp == 1 and sched != "1F1B" or pp * v > L:
+                    continue
+                out.append((L, Plan(pp=pp, schedule=sched, stages_per_rank=v, n_microbatches=2 * pp)))
+    return out
+
+
+CASES = _plans()
+
+
+class _Model:                       # the two facts of a model the layout reads
+    def __init__(self, n_layers, n_dense):
+        self.n_layers, self.n_moe_layers = n_layers, n_layers - n_dense
+        self.is_moe = n_dense < n_layers
+
+
+def _executor_rank(L, plan, r, n_dense=0):
+    """(layers, dense layers, holds stage 0, holds the last stage) of pipeline rank r, from the executor."""
+    ranges = split_layers(L, plan.pp * plan.stages_per_rank)
+    ids = stage_ids_for_rank(plan, r)
+    layers = [i for s in ids for i in ranges[s]]
+    return len(layers), sum(i < n_dense for i in layers), 0 in ids, len(ranges) - 1 in ids
+
+
+def test_stage_layer_counts_is_the_executor_split():
+    for L, n in [(4, 4), (10, 4), (7, 3), (126, 16), (126, 32), (80, 64), (61, 16)]:
+        assert [len(r) for r in split_layers(L, n)] == stage_layer_counts(L, n)
+        assert sum(stage_layer_counts(L, n)) == L and max(stage_layer_counts(L, n)) - min(stage_layer_counts(L, n)) <= 1
+    with pytest.raises(ValueError, match="at least one layer per stage"):
+        stage_layer_counts(3, 4)
+
+
+def test_rank_layers_match_the_executor_for_every_rank_and_schedule():
+    for L in sorted({L for L, _ in CASES}):
+        plans = [p for l, p in CASES if l == L]
+        t = CandidateTable.from_plans(plans)
+        n_dense = min(3, L - 1)
+        for r in range(max(p.pp for p in plans)):
+            on = np.array([r < p.pp for p in plans])
+            tot, dense = rank_layers(t, L, np.minimum(r, t.pp - 1), n_dense)
+            want = np.array([_executor_rank(L, p, min(r, p.pp - 1), n_dense) for p in plans])
+            np.testing.assert_array_equal(tot[on], want[on, 0])
+            np.testing.assert_array_equal(dense[on], want[on, 1])
+        busiest = busiest_rank_layers(t, L)
+        np.testing.assert_array_equal(busiest, [max(_executor_rank(L, p, r)[0] for r in range(p.pp)) for p in plans])
+
+
+@pytest.mark.parametrize("n_dense", [0, 1, 3, 10])
+def test_busiest_rank_has_the_most_moe_blocks(n_dense):
+    plans = [p for L, p in CASES if L == 61]
+    t = CandidateTable.from_plans(plans)
+    m = _Model(61, n_dense)
+    nd, nm = layer_mix(t, m)
+    for i, p in enumerate(plans):
+        per_rank = [_executor_rank(61, p, r, n_dense) for r in range(p.pp)]
+        best = max((tot - d, tot) for tot, d, _, _ in per_rank)
+        assert (nm[i], nd[i] + nm[i]) == best, p.describe()
+        fd, fm = layer_mix(t, m, first=True)
+        assert (fd[i], fm[i]) == (per_rank[0][1], per_rank[0][0] - per_rank[0][1])
+
+
+def test_ends_of_the_model():
+    plans = [p for L, p in CASES if L == 16]
+    t = CandidateTable.from_plans(plans)
+    m = _Model(16, 16)
+    for which in ("first", "last", "busiest"):
+        emb, head = holds_ends(t, m, which)
+        r = rank_index(t, m, which)
+        for i, p in enumerate(plans):
+            _, _, e, h = _executor_rank(16, p, int(r[i]))
+            assert (emb[i], head[i]) == (e, h), (which, p.describe())
+
+
+def test_in_flight_1f1b_follows_the_executors_order():
+    plans = [Plan(pp=pp, schedule="1F1B", n_microbatches=n) for pp in (2, 4, 8) for n in (pp, 2 * pp, 3 * pp)]
+    t = CandidateTable.from_plans(plans)
+    for r in range(8):
+        got = in_flight_on_rank(t, np.minimum(r, t.pp - 1))
+        for i, p in enumerate(plans):
+            acts = rank_actions(p, [(min(r, p.pp - 1), None)])
+            live = peak = 0
+            for kind, _, _ in acts:
+                live += {"F": 1, "B": -1}.get(kind, 0)
+                peak = max(peak, live)
+            assert got[i] == peak, (r, p.describe())
+
+
+def test_issue_example_compute_follows_the_busiest_ranks_layers():
+    """llama3-70b (80 layers), pp 16, Interleaved1F1B with V = 2, 4, 5: the executor puts 5 layers on
+    the busiest rank in all three (was ceil(80 / (16 V)) * V = 6, 8, 5), so compute is one figure."""
+    model, hw = load_model("llama3-70b"), load_hardware("h100-sxm")
+    wl = Workload(seq_len=8192, global_batch=128)
+    plans = [Plan(dp_shard=1, pp=16, tp=8, microbatch=1, n_microbatches=128, schedule="Interleaved1F1B",
+                  stages_per_rank=v, ac="full") for v in (2, 4, 5)]
+    t = CandidateTable.from_plans(plans)
+    assert busiest_rank_layers(t, model.n_layers).tolist() == [5, 5, 5]
+    assert [max(len([i for s in stage_ids_for_rank(p, r) for i in split_layers(80, 16 * p.stages_per_rank)[s]])
+                for r in range(16)) for p in plans] == [5, 5, 5]
+    c = estimate(t, model, hw, wl, Coefficients()).time["compute"]
+    np.testing.assert_allclose(c, c[0], rtol=1e-9)
