@@ -40,6 +40,36 @@ import numpy as np
 from .layout import layer_mix
 
 
+def ib_share(model, ep, per_node) -> np.ndarray:
+    """[n] share of a rank's all-to-all bytes (top_k copies of each token) that crosses the network.
+
+    Uniform routing: (p - k) / p of the copies go to ranks on other nodes (p = ep, k = EP ranks per
+    node).  Node-limited routing (``n_expert_groups``/``n_limited_groups``), as DeepSeek-V3 trains
+    it (arXiv:2412.19437, Sec. 3.2.2, "each token will be sent to at most M nodes ... first
+    transmitted via IB to the GPUs with the same in-node index on their target nodes ... then
+    instantly forwarded via NVLink"): a token crosses the network ONCE per distinct remote node
+    that holds one of its experts, whatever the number of experts there.  With the experts laid
+    out contiguously over the EP ranks a node holds ``E_n = n_experts k / p`` of them; a token
+    reaches at most ``M = min(N, n_limited_groups * max(1, group size / E_n))`` of the
+    ``N = ceil(p / k)`` nodes, and with its top_k experts spread uniformly over those, it hits
+    ``D = M (1 - (1 - 1/M)^top_k)`` distinct nodes on average (occupancy), ``D (N-1)/N`` of them
+    remote.  Share = that many token copies / top_k.  (The NVLink fan-out inside the node is
+    the on-node side of `comm.all_to_all_time`.)
+    """
+    p = np.asarray(ep, dtype=np.float64)
+    k = np.minimum(np.asarray(per_node, dtype=np.float64), p)
+    uniform = (p - k) / p
+    if not (model.n_expert_groups and model.n_limited_groups < model.n_expert_groups):
+        return uniform
+    nodes = np.ceil(p / np.maximum(k, 1.0))
+    per_node_experts = model.n_experts * k / p
+    group = model.n_experts / model.n_expert_groups
+    reach = np.minimum(nodes, model.n_limited_groups * np.maximum(1.0, group / per_node_experts))
+    distinct = reach * (1.0 - (1.0 - 1.0 / reach) ** model.top_k)
+    limited = distinct * (nodes - 1.0) / nodes / model.top_k
+    return np.where(nodes > 1, np.minimum(limited, uniform), uniform)
+
+
 def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     """[n] bytes the busiest EP rank (of the most MoE-heavy pipeline rank) sends in all-to-alls per
     optimizer step; with ``coeffs.ep_imbalance == 1`` every EP rank sends that much."""
@@ -56,4 +86,4 @@ def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     return np.where(table.ep > 1, n_moe * table.n_microbatches * passes * one, 0.0)
 
 
-__all__ = ["ep_all_to_all_bytes"]
+__all__ = ["ep_all_to_all_bytes", "ib_share"]

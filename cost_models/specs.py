@@ -79,6 +79,11 @@ class ModelSpec:
     route_scale: float = field(default=1.0, metadata=_POSITIVE_OPEN)
     aux_loss_coef: float = field(default=0.0, metadata=_COUNT)
     load_balance_bias: bool = False
+    # node-limited (group-limited) routing, DeepSeek-V3 (arXiv:2412.19437, Sec. 3.2.2; HF config n_group,
+    # topk_group; TorchTitan MoEArgs num_expert_groups / num_limited_groups): the routed experts form
+    # n_expert_groups groups and a token picks its top_k experts inside its best n_limited_groups groups
+    n_expert_groups: int = field(default=0, metadata=_COUNT)    # 0: no grouping
+    n_limited_groups: int = field(default=0, metadata=_COUNT)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -115,6 +120,17 @@ class ModelSpec:
                 raise SpecError(f"model '{self.name}': key 'moe_ffn_hidden' must be set for an MoE model")
             if not 0 <= self.n_dense_layers <= self.n_layers:
                 raise SpecError(f"model '{self.name}': key 'n_dense_layers' must be in 0..n_layers")
+        if self.n_expert_groups:
+            if not self.n_experts or self.n_experts % self.n_expert_groups:
+                raise SpecError(f"model '{self.name}': key 'n_expert_groups' ({self.n_expert_groups}) must divide "
+                                f"n_experts ({self.n_experts})")
+            per = self.n_experts // self.n_expert_groups
+            if not 1 <= self.n_limited_groups <= self.n_expert_groups or self.n_limited_groups * per < self.top_k:
+                raise SpecError(f"model '{self.name}': key 'n_limited_groups' must be in 1..n_expert_groups "
+                                f"({self.n_expert_groups}) and hold top_k ({self.top_k}) experts, got "
+                                f"{self.n_limited_groups}")
+        elif self.n_limited_groups:
+            raise SpecError(f"model '{self.name}': key 'n_limited_groups' needs 'n_expert_groups'")
 
     @property
     def is_moe(self) -> bool:

@@ -22,6 +22,7 @@ from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, he
                       launch_bound, layer_gemms)
 from .flops import attention_dims, layer_matmuls
 from .layout import layer_mix, layers_per_rank, rank_params
+from .moe_traffic import ib_share
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
 
@@ -119,7 +120,9 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         b = launch_bound(gpu_b + g_w + tpb, host_b, r.sharpness) - g_w - tpb
         if moe:   # EP dispatch + combine all-to-alls (Lepikhin et al. 2020, arXiv:2006.16668), each way
             a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
-            a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized))
+            # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
+            a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),
+                                  off_fraction=ib_share(model, table.ep, ep_link.per_node))
             dual = table.schedule == SCHEDULES.index("DualPipeV")
             exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
             exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),

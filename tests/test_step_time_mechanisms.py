@@ -99,3 +99,36 @@ def test_rail_optimized_all_to_all_relays_off_rail_bytes_over_nvlink():
     relayed = all_to_all_time(16, 1.6e9, 8, 1.5e10, 0.0, 1e10, 0.0, relay=1.0)
     assert plain == pytest.approx(0.08)                                  # 8/16 off-node at 10 GB/s
     assert relayed == pytest.approx((7 / 16 + 8 / 16 * 7 / 8) * 1.6e9 / 1.5e10)  # NVLink now the bottleneck
+
+
+def test_node_limited_routing_crosses_the_network_once_per_remote_node():
+    """DeepSeek-V3 (Sec. 3.2.2): 256 experts in 8 groups, a token within its best 4; on EP 64 over 8 nodes
+    (one group per node) a token reaches at most 4 nodes and is sent once to each remote one."""
+    import dataclasses
+    from cost_models.moe_traffic import ib_share
+    m = load_model("deepseek-v3-671b")
+    share = float(ib_share(m, np.array([64]), np.array([8]))[0])
+    distinct = 4 * (1 - (3 / 4) ** 8)                 # occupancy of 4 nodes by 8 experts
+    assert share == pytest.approx(distinct * 7 / 8 / 8)
+    free = dataclasses.replace(m, n_expert_groups=0, n_limited_groups=0)
+    assert float(ib_share(free, np.array([64]), np.array([8]))[0]) == pytest.approx(56 / 64)
+    # inside one node nothing crosses the network
+    assert float(ib_share(m, np.array([8]), np.array([8]))[0]) == 0.0
+    # and the step's EP time falls accordingly on an H800 cluster (EP 64 x 8 nodes)
+    hw, wl = load_hardware("h800"), Workload(seq_len=4096, global_batch=256, state_layout="megatron", zero=1)
+    t = CandidateTable.from_plans([Plan(dp_shard=64, pp=1, ep=64, microbatch=1, n_microbatches=4, ac="full")])
+    ep_limited = S.step_time_breakdown(t, m, hw, wl, Coefficients())["ep_comm"][0]
+    ep_free = S.step_time_breakdown(t, free, hw, wl, Coefficients())["ep_comm"][0]
+    assert ep_limited < 0.5 * ep_free
+
+
+def test_group_limited_routing_keys_are_checked():
+    from cost_models.specs import SpecError, load_model as lm
+    import dataclasses
+    m = lm("deepseek-v3-671b")
+    with pytest.raises(SpecError, match="'n_expert_groups' \\(7\\) must divide n_experts"):
+        dataclasses.replace(m, n_expert_groups=7)
+    with pytest.raises(SpecError, match="'n_limited_groups' must be in 1..n_expert_groups"):
+        dataclasses.replace(m, n_limited_groups=9)
+    with pytest.raises(SpecError, match="'n_limited_groups' needs 'n_expert_groups'"):
+        dataclasses.replace(m, n_expert_groups=0)
