@@ -30,7 +30,7 @@ from .inputs import PlanInputs, UsageError, add_input_flags, parse_tokens, resol
 from .local import detect_local_devices
 from .plot import pareto_plot
 from .profile import run_profile
-from .rank import plan_candidates
+from .rank import RANK_BY, plan_candidates
 from .trials import TrialSettings, run_trials
 from .whatif import cmd_estimate
 
@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     pp.add_argument("--plot", metavar="PNG", help="also save a Pareto plot (tokens/s vs peak memory); "
                                                   "needs the 'plot' extra (matplotlib)")
+    pp.add_argument("--rank-by", choices=RANK_BY, default="time",
+                    help="time: rank by the predicted step time, feasible when the predicted peak memory fits "
+                         "(default); p90: rank by the conservative (p90) step time, feasible when the p90 peak "
+                         "memory fits")
     pp.add_argument("--memory-margin", type=float, default=0.0,
                     help="keep this fraction of usable memory free (default 0.0)")
     pp.add_argument("--dry-run", type=int, default=0, metavar="K",
@@ -199,11 +203,11 @@ def cmd_plan(args) -> int:
     model, hw, workload, gpus, gpn, local = q.model, q.hardware, q.workload, q.gpus, q.gpus_per_node, q.local
     space = load_space(args.space or _default_space(model, workload))
     res = plan_candidates(space, model, hw, workload, world_size=gpus, gpus_per_node=gpn, coeffs=q.coeffs,
-                          memory_margin=args.memory_margin)
+                          memory_margin=args.memory_margin, rank_by=args.rank_by)
     elapsed = time.perf_counter() - t0
     best = res.best()  # raises PlanningError with the reason when nothing fits
     top = res.order[: max(1, args.top)]
-    inputs = {**q.echo(), "space": space.name}
+    inputs = {**q.echo(), "space": space.name, "rank_by": args.rank_by}
     contents = {
         "model": q.model_ref,
         "hardware": q.hardware_ref,
@@ -249,7 +253,9 @@ def cmd_plan(args) -> int:
     print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
           f"{res.n_feasible:,} feasible ({space.name} space)")
     print()
-    print(report.format_table(res.table, res.est, top, title=f"top {len(top)} (fastest first):"))
+    order = "fastest p90 step first" if args.rank_by == "p90" else "fastest first"
+    print(report.format_table(res.table, res.est, top, title=f"top {len(top)} ({order}):",
+                              p90=args.rank_by == "p90"))
     print()
     if res.rejected:
         print("rejected:")

@@ -16,6 +16,9 @@ from search_spaces.table import CandidateTable
 from search_spaces.typed import InputError
 
 
+RANK_BY = ("time", "p90")   # the point estimate, or the conservative (one-sided p90) bounds
+
+
 class PlanningError(InputError):
     """The question has no answer (no layout fits, ...); the message says why."""
 
@@ -32,6 +35,15 @@ class PlanningResult:
     hw: HardwareSpec | None = None
     workload: Workload | None = None
     coeffs: Coefficients | None = None
+    rank_by: str = "time"
+
+    def step_time(self) -> np.ndarray:
+        """The step time the ranking uses (seconds per step, every candidate)."""
+        return self.est.step_time_p90_s if self.rank_by == "p90" else self.est.step_time_s
+
+    def peak_memory(self) -> np.ndarray:
+        """The peak memory feasibility is judged by (bytes per device, every candidate)."""
+        return self.est.peak_memory_p90_bytes if self.rank_by == "p90" else self.est.peak_memory_bytes
 
     @property
     def n_candidates(self) -> int:
@@ -51,16 +63,24 @@ class PlanningResult:
             reasons = sorted(self.rejected, key=lambda r: -r.count)
             top = "; ".join(f"{r.count} {r.unit}: {r.reason}" for r in reasons[:3]) or "empty search space"
             return f"no layout is legal for this world size and model ({top})"
-        i = int(np.argmin(self.est.peak_memory_bytes))
-        return (f"no layout fits in memory: the smallest needs {self.est.peak_memory_bytes[i] / 2**30:.1f} GiB "
+        peak = self.peak_memory()
+        i = int(np.argmin(peak))
+        bound = " (p90 bound)" if self.rank_by == "p90" else ""
+        return (f"no layout fits in memory: the smallest needs {peak[i] / 2**30:.1f} GiB{bound} "
                 f"per device, {self.est.capacity_bytes / 2**30:.1f} GiB usable "
                 f"(try more devices, a longer pipeline, or a smaller micro-batch/global batch)")
 
 
 def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
                     world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
-                    memory_margin: float = 0.0) -> PlanningResult:
-    """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin)."""
+                    memory_margin: float = 0.0, rank_by: str = "time") -> PlanningResult:
+    """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin).
+
+    ``rank_by="p90"`` ranks by the conservative step time (`Estimates.step_time_p90_s`) and judges
+    feasibility by the conservative peak memory (`Estimates.peak_memory_p90_bytes`).
+    """
+    if rank_by not in RANK_BY:
+        raise PlanningError(f"rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
                          global_batch=workload.global_batch,
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
@@ -69,18 +89,20 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
     est = estimate(en.table, model, hw, workload, coeffs)
+    p90 = rank_by == "p90"
+    step, peak = (est.step_time_p90_s, est.peak_memory_p90_bytes) if p90 else (est.step_time_s, est.peak_memory_bytes)
     limit = est.capacity_bytes * (1.0 - memory_margin)
-    fits = est.peak_memory_bytes <= limit
+    fits = peak <= limit
     rejected = list(en.rejected)
     n_oom = int((~fits).sum())
     if n_oom:
-        rejected.append(Rejection(C.R_MEMORY, n_oom, "candidates"))
+        rejected.append(Rejection(C.R_MEMORY + (" (p90 bound)" if p90 else ""), n_oom, "candidates"))
     idx = np.flatnonzero(fits)
     # best first: shortest step (the global batch is fixed, so = most tokens/s), then least memory
-    order = idx[np.lexsort((est.peak_memory_bytes[idx], est.step_time_s[idx]))]
+    order = idx[np.lexsort((peak[idx], step[idx]))]
     return PlanningResult(table=en.table, est=est, order=order, pareto=pareto_front(est, idx),
                           rejected=rejected, n_layouts=en.n_layouts, model=model, hw=hw, workload=workload,
-                          coeffs=coeffs)
+                          coeffs=coeffs, rank_by=rank_by)
 
 
 def pareto_front(est: Estimates, idx: np.ndarray) -> np.ndarray:

@@ -32,6 +32,8 @@ def predicted(est: Estimates, i: int) -> dict[str, Any]:
         "headroom_gib": round((est.capacity_bytes - float(est.peak_memory_bytes[i])) / GiB, 3),
         "memory_gib": {k: round(float(est.memory[k][i]) / GiB, 4) for k in MEMORY_KEYS if k in est.memory},
         "time_s": {k: round(float(est.time[k][i]), 6) for k in TIME_KEYS if k in est.time},
+        "step_time_p90_s": round(float(est.step_time_p90_s[i]), 6),          # conservative bounds
+        "peak_memory_p90_gib": round(float(est.peak_memory_p90_bytes[i]) / GiB, 3),
     }
 
 
@@ -39,8 +41,10 @@ def candidate_rows(table: CandidateTable, est: Estimates, idx) -> list[dict[str,
     return [{"plan": table.plan(int(i)).to_dict(), "predicted": predicted(est, int(i))} for i in idx]
 
 
-def format_table(table: CandidateTable, est: Estimates, idx, *, title: str = "") -> str:
+def format_table(table: CandidateTable, est: Estimates, idx, *, title: str = "", p90: bool = False) -> str:
+    """One line per candidate of `idx`; with `p90` also the conservative step time and peak memory."""
     head = ("#", "layout", "knobs", "step s", "tok/s/dev", "MFU", "peak GiB", "free GiB")
+    head += ("p90 step s", "p90 GiB") if p90 else ()
     rows = []
     for r, i in enumerate(idx, 1):
         i = int(i)
@@ -48,9 +52,10 @@ def format_table(table: CandidateTable, est: Estimates, idx, *, title: str = "")
         rows.append((str(r), p.layout_str(), p.knobs_str(), _num(est.step_time_s[i]),
                      _num(est.tokens_per_s_per_gpu[i]), f"{100 * est.mfu[i]:.1f}%",
                      f"{est.peak_memory_bytes[i] / GiB:.2f}",
-                     f"{(est.capacity_bytes - est.peak_memory_bytes[i]) / GiB:.2f}"))
+                     f"{(est.capacity_bytes - est.peak_memory_bytes[i]) / GiB:.2f}")
+                    + ((_num(est.step_time_p90_s[i]), f"{est.peak_memory_p90_bytes[i] / GiB:.2f}") if p90 else ()))
     widths = [max(len(h), *(len(row[c]) for row in rows)) if rows else len(h) for c, h in enumerate(head)]
-    right = {0, 3, 4, 5, 6, 7}
+    right = {0, 3, 4, 5, 6, 7, 8, 9}
 
     def fmt(row):
         return "  ".join(v.rjust(w) if c in right else v.ljust(w) for c, (v, w) in enumerate(zip(row, widths)))
@@ -72,6 +77,8 @@ def format_breakdown(est: Estimates, i: int) -> str:
         if k in est.time:
             lines.append(f"  {k:<13}{est.time[k][i]:10.4f}")
     lines.append(f"  {'step':<13}{est.step_time_s[i]:10.4f}")
+    lines.append(f"conservative (p90) bounds: step {est.step_time_p90_s[i]:.4f} s, "
+                 f"peak {est.peak_memory_p90_bytes[i] / GiB:.3f} GiB")
     lines.append(f"throughput: {est.tokens_per_s[i]:,.0f} tokens/s, {est.tokens_per_s_per_gpu[i]:,.1f} per device, "
                  f"MFU {100 * est.mfu[i]:.1f}%")
     return "\n".join(lines)

@@ -255,3 +255,24 @@ def test_estimate_predicts_a_schedule_titan_run_cannot_run(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["top"] and all(r["plan"]["n_microbatches"] >= r["plan"]["pp"] for r in doc["top"])
     assert any("micro-batch count" in r["reason"] for r in doc["rejected"])
+
+
+def test_rank_by_p90_ranks_and_judges_memory_by_the_conservative_bounds(capsys):
+    args = ["--model", "llama3-70b", "--gpus", "64", "--hardware", "h100-sxm", "--seq-len", "8192",
+            "--global-batch", "128", "--json", "--no-write", "--top", "50"]
+    assert main(args) == 0
+    point = json.loads(capsys.readouterr().out)
+    assert main(args + ["--rank-by", "p90"]) == 0
+    p90 = json.loads(capsys.readouterr().out)
+    assert p90["inputs"]["rank_by"] == "p90" and point["inputs"]["rank_by"] == "time"
+    rows = [r["predicted"] for r in p90["top"]]
+    assert [r["step_time_p90_s"] for r in rows] == sorted(r["step_time_p90_s"] for r in rows)
+    usable = rows[0]["peak_memory_gib"] + rows[0]["headroom_gib"]
+    assert all(r["peak_memory_p90_gib"] <= usable + 1e-3 for r in rows)
+    assert all(r["step_time_p90_s"] >= r["step_time_s"] and r["peak_memory_p90_gib"] >= r["peak_memory_gib"]
+               for r in rows)
+    # the conservative bound fits fewer layouts, and says so among the rejections
+    assert p90["n_feasible"] < point["n_feasible"]
+    assert any(r["reason"] == "out of memory (p90 bound)" for r in p90["rejected"])
+    r = run_cli("--model", "llama3-8b", "--gpus", "8", "--hardware", "h100-sxm", "--rank-by", "p99")
+    assert r.returncode == 2 and "--rank-by" in r.stderr
