@@ -248,10 +248,10 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
     frag = coeffs.allocator_fragmentation if caching_allocator else 0.0
     # the executor applies FSDP when some rank shares the data-parallel work, or on one rank for
     # bf16 mixed precision (executor/parallel/__init__.py: uses_fsdp)
-    fsdp_applied = ((table.dp_replicate * table.dp_shard * table.cp) > 1) | (workload.dtype != "fp32")
+    fsdp_applied = (table.dp_cp > 1) | (workload.dtype != "fp32")
     e = 4.0 if workload.dtype == "fp32" else 2.0
     rp = rank_params(table, model)
-    fsdp_group = (table.dp_shard * table.cp).astype(np.float64)
+    fsdp_group = table.fsdp_size.astype(np.float64)
     efsdp_group = fsdp_group / table.ep
     accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1)   # pipelining: no grad sync until last
     dense_act, ws_dense = per_layer_activation_bytes(table, model, workload, coeffs, moe=False)
@@ -301,7 +301,7 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
             rs_exposed = np.maximum(0.0, rs - dense_act)
             fsdp = np.where(fsdp_applied, gathered + rs_exposed, 0.0)
         else:                                                      # Megatron: bf16 params, fp32 main grads
-            dp = (table.dp_replicate * table.dp_shard * table.cp).astype(np.float64)
+            dp = table.dp_cp.astype(np.float64)
             edp = dp / table.ep
             sh = dense_p / dp + expert_p / edp
             z = workload.zero

@@ -208,7 +208,7 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
     ov = coeffs.dp_overlap
     if workload.state_layout == "fsdp2":
         fs, efs, rep = links["fsdp"], links["efsdp"], links["dp_replicate"]
-        fsdp_n = (table.dp_shard * table.cp).astype(np.float64)
+        fsdp_n = table.fsdp_size.astype(np.float64)
         efsdp_n = fsdp_n / table.ep
         nd, nm = layer_mix(table, model, first=False)
         nb = np.maximum(nd + nm, 1)
@@ -246,7 +246,7 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
         dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
         opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
     else:
-        dpn = (table.dp_replicate * table.dp_shard * table.cp).astype(np.float64)
+        dpn = table.dp_cp.astype(np.float64)
         link = group_link(dpn, table.tp, hw, coeffs)
         local = rp["last_dense"] + rp["last_expert"]
         if workload.zero >= 1:
@@ -289,7 +289,7 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     # the warm-up and cool-down run through the other stages, which do not hold the LM head and
     # loss (Narayanan et al. 2021, Sec. 2.2.1: the bubble is (p-1) forward and backward passes of
     # a stage); the V schedules put the last stage on rank 0, so there the head stays in
-    v_shape = (table.schedule == SCHEDULES.index("ZBVZeroBubble")) | (table.schedule == SCHEDULES.index("DualPipeV"))
+    v_shape = table.is_v_schedule
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
