@@ -217,18 +217,8 @@ def cmd_plan(args) -> int:
         "inputs": inputs,
         "provenance": report.provenance(["titan-plan"] + sys.argv[1:], res.n_candidates),
     }
-    dry_rows = None
-    if args.dry_run:
-        print(f"[titan-plan] dry-running the top {args.dry_run} candidates ...", file=sys.stderr, flush=True)
-        dry_rows = dry_run_candidates(res, [int(i) for i in res.order[: args.dry_run]], model_ref=q.model_ref,
-                                      workload=contents["workload"])
-        failed = {r["index"] for r in dry_rows if r["status"] != "ok"}
-        if failed:   # the executor cannot apply these: they leave the ranking
-            res.order = res.order[[int(i) not in failed for i in res.order]]
-            best = res.best()
-            top = res.order[: max(1, args.top)]
-            contents["plan"] = res.table.plan(best)
-            contents["predicted"] = report.predicted(res.est, best)
+    dry_rows = _dry_run(args, res, q, contents) if args.dry_run else None
+    best, top = res.best(), res.order[: max(1, args.top)]     # the dry run may have dropped some
     trial_rows = None
     if args.trials:
         chosen, measured, trial_rows = _run_trials(args, res, space, contents, q)
@@ -285,6 +275,20 @@ def cmd_plan(args) -> int:
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _dry_run(args, res, q: PlanInputs, contents: dict) -> list[dict]:
+    """titan-run --dry-run of the top candidates; those the executor cannot apply leave the ranking."""
+    print(f"[titan-plan] dry-running the top {args.dry_run} candidates ...", file=sys.stderr, flush=True)
+    rows = dry_run_candidates(res, [int(i) for i in res.order[: args.dry_run]], model_ref=q.model_ref,
+                              workload=contents["workload"])
+    failed = {r["index"] for r in rows if r["status"] != "ok"}
+    if failed:
+        res.order = res.order[[int(i) not in failed for i in res.order]]
+        best = res.best()
+        contents["plan"] = res.table.plan(best)
+        contents["predicted"] = report.predicted(res.est, best)
+    return rows
 
 
 def _run_trials(args, res, space, contents, q: PlanInputs):

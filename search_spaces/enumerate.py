@@ -137,6 +137,13 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
     base = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     # -- stage 4: free knobs ------------------------------------------------------------------
+    cols = _with_knobs(base, space, t, rejected)
+    return Enumeration(table=CandidateTable(cols), rejected=rejected, n_layouts=n_layouts)
+
+
+def _with_knobs(base: dict[str, np.ndarray], space: SearchSpace, t: C.Target,
+                rejected: list[Rejection]) -> dict[str, np.ndarray]:
+    """`base` x the free knobs (activation checkpointing, reshard, compile, float8, backend)."""
     ac = np.array([AC_MODES.index(a) for a in space.knobs["ac"]], dtype=np.int64)
     rs = np.array(space.knobs["reshard_after_forward"], dtype=bool)
     co = np.array(space.knobs["compile"], dtype=bool)
@@ -152,7 +159,7 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
     cols = {k: v[i] for k, v in base.items()}
     for k, g in zip(("ac", "reshard_after_forward", "compile", "float8", "backend"), knob_grid):
         cols[k] = g[j]
-    return Enumeration(table=CandidateTable(cols), rejected=rejected, n_layouts=n_layouts)
+    return cols
 
 
 def _cross(n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
