@@ -5,8 +5,6 @@ import datetime as _dt
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import numpy as np
-
 from cost_models.estimate import Estimates
 from cost_models.memory import MEMORY_KEYS
 from cost_models.step_time import TIME_KEYS
@@ -103,7 +101,3 @@ def _num(x: float) -> str:
     if x >= 0.1:
         return f"{x:.3f}"
     return f"{x:.2e}"
-
-
-def np_to_list(a: np.ndarray) -> list:
-    return [x.item() for x in a]

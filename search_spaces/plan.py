@@ -35,9 +35,8 @@ DEGREE_KEYS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep")
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 BATCH_KEYS = ("microbatch", "n_microbatches")
 
-# re-exported: the micro-batch rules live with the other layout rules in constraints.py
+# re-exported for titan-run's callers: the micro-batch rules live with the other layout rules in constraints.py
 min_microbatches = C.min_microbatches
-interleaved_rounds_ok = C.interleaved_rounds_ok
 
 
 class PlanError(InputError):
