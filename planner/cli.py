@@ -26,7 +26,7 @@ from search_spaces.typed import MAX_WORLD_SIZE, InputError, show
 from . import calibrate as cal
 from . import report
 from .dry_run import dry_run_candidates, format_row
-from .inputs import PlanInputs, UsageError, add_input_flags, parse_tokens, resolve_inputs
+from .inputs import PlanInputs, UsageError, add_input_flags, parse_tokens, read_question, resolve_inputs
 from .local import detect_local_devices
 from .plot import pareto_plot
 from .profile import run_profile
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp = sub.add_parser("plan", help="rank all layouts and write the best (default)",
                         description="Rank every legal layout and write the best one to plan.yaml.")
     add_input_flags(pp)
+    pp.add_argument("--plan", dest="plan_file", help="read the question (model, hardware, workload, device count) "
+                                                     "from this plan file; flags given override it")
     pp.add_argument("--space", help="search space: dense, moe, long_context or a YAML path "
                                     "(default: moe for MoE models, long_context from 32K tokens, else dense)")
     pp.add_argument("--top", type=int, default=10, help="how many candidates to print (default 10)")
@@ -199,7 +201,7 @@ def _default_space(model, workload) -> str:
 # --------------------------------------------------------------------------- plan
 def cmd_plan(args) -> int:
     t0 = time.perf_counter()
-    q = resolve_inputs(args)
+    q = resolve_inputs(args, read_question(args.plan_file, args)[1], where=str(args.plan_file or "plan file"))
     model, hw, workload, gpus, gpn, local = q.model, q.hardware, q.workload, q.gpus, q.gpus_per_node, q.local
     space = load_space(args.space or _default_space(model, workload))
     res = plan_candidates(space, model, hw, workload, world_size=gpus, gpus_per_node=gpn, coeffs=q.coeffs,

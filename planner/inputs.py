@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 from cost_models.coefficients import Coefficients
 from cost_models.specs import HardwareSpec, ModelSpec, SpecError, Workload, load_hardware, load_model
+from search_spaces.plan import Plan
+from search_spaces.planfile import read_plan_file
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_keys
 
 from .local import LocalDevices, detect_local_devices
@@ -127,6 +129,23 @@ def parse_tokens(s: str) -> int:
 
 
 # --------------------------------------------------------------------------- resolving
+def read_question(path: str | None, args) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the plan file's partial plan, its defaults for `resolve_inputs`); two empty mappings without a file.
+
+    The device count is the file's ``inputs.gpus``, else its plan's world size (unless --gpus is given).
+    """
+    if not path:
+        return {}, {}
+    pf = read_plan_file(path, parse_plan=False)
+    given = dict(pf["plan"] or {})
+    inputs = pf.get("inputs") or {}
+    d = {"model": pf.get("model"), "hardware": pf.get("hardware"), "workload": pf.get("workload"),
+         "gpus": inputs.get("gpus"), "gpus_per_node": inputs.get("gpus_per_node")}
+    if d["gpus"] is None and args.gpus is None:   # the plan's own world
+        d["gpus"] = Plan.from_dict(given, where=f"{path}: plan", runnable=False).world_size
+    return given, d
+
+
 def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: str = "plan file") -> PlanInputs:
     """The planning question from flags, then `defaults` (what a plan file says: model, hardware,
     gpus, gpus_per_node, workload), then this machine and the built-in defaults."""

@@ -14,11 +14,10 @@ import json
 from cost_models.estimate import estimate
 from search_spaces import constraints as C
 from search_spaces.plan import PLAN_KEYS, Plan, PlanError
-from search_spaces.planfile import read_plan_file
 from search_spaces.table import CandidateTable
 
 from . import report
-from .inputs import resolve_inputs
+from .inputs import read_question, resolve_inputs
 
 
 def estimate_layout(args, given: dict) -> dict:
@@ -42,18 +41,8 @@ def estimate_layout(args, given: dict) -> dict:
 
 
 def cmd_estimate(args) -> int:
-    given: dict = {}
-    d: dict = {}
-    where = "plan"
-    if args.plan_file:
-        pf = read_plan_file(args.plan_file, parse_plan=False)
-        given = dict(pf["plan"] or {})
-        where = f"{args.plan_file}: plan"
-        inputs = pf.get("inputs") or {}
-        d = {"model": pf.get("model"), "hardware": pf.get("hardware"), "workload": pf.get("workload"),
-             "gpus": inputs.get("gpus"), "gpus_per_node": inputs.get("gpus_per_node")}
-        if d["gpus"] is None and args.gpus is None:   # the plan's own world
-            d["gpus"] = Plan.from_dict(given, where=where, runnable=False).world_size
+    given, d = read_question(args.plan_file, args)
+    where = f"{args.plan_file}: plan" if args.plan_file else "plan"
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted

@@ -213,11 +213,16 @@ def test_plan_file_workload_keys_are_read_and_typos_refused(tmp_path, capsys):
     doc = _estimate_json(capsys, "--plan", str(f), "--state-layout", "fsdp2", "--sequence-parallel", "--tp", "4")
     assert doc["workload"]["state_layout"] == "fsdp2" and doc["workload"]["sequence_parallel"] is True
     assert (doc["plan"]["tp"], doc["plan"]["dp_shard"]) == (4, 4)     # dp_shard re-derived for the new tp
+    # the search reads its question from a plan file too
+    assert main(["--plan", str(f), "--no-write", "--json", "--top", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {k: doc["inputs"]["workload"][k] for k in WORKLOAD_SET} == WORKLOAD_SET and doc["inputs"]["gpus"] == 16
     f.write_text(yaml.safe_dump({"model": "llama3-8b", "hardware": "h100-sxm", "plan": {"dp_shard": 16},
                                  "workload": {"seq_len": 2048, "global_batch": 64, "state_layot": "megatron"}}))
-    r = run_cli("estimate", "--plan", str(f))
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "unknown key 'state_layot'" in r.stderr and "did you mean 'state_layout'" in r.stderr
+    for cmd in (["estimate"], ["plan", "--no-write"]):
+        r = run_cli(*cmd, "--plan", str(f))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "unknown key 'state_layot'" in r.stderr and "did you mean 'state_layout'" in r.stderr
     r = run_cli("estimate", *BASE_8B, "--selective-ac", "most")
     assert r.returncode == 2 and "--selective-ac" in r.stderr
 
