@@ -35,7 +35,8 @@ import yaml
 from cost_models.specs import ModelSpec, SpecError, Workload, load_hardware, load_model
 from search_spaces.constraints import Target, check_plan
 from search_spaces.yaml_file import read_yaml
-from search_spaces.plan import Plan, PlanError, min_microbatches
+from search_spaces.plan import Plan, PlanError
+from search_spaces.planfile import read_plan_file as read_checked_plan_file
 
 DEFAULT_MODEL = "llama3-debug"
 DEFAULT_SEQ_LEN = 256
@@ -205,10 +206,9 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, Any]]) -> dict:
 
 
 def read_plan_file(path: str | os.PathLike) -> dict:
-    data = read_yaml(path, error=ConfigError, what="plan file")
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping with keys model, workload, plan (got {type(data).__name__})")
-    return dict(data)
+    """The plan file as titan-run reads it (search_spaces.planfile's reader and checks), with ``plan``
+    still a mapping: the --set overrides apply before the plan is built."""
+    return read_checked_plan_file(path, parse_plan=False, error=ConfigError)
 
 
 def load_run_config(plan_path: str | None, overrides: list[str] | None, *, world_size: int,
@@ -269,27 +269,13 @@ def load_run_config(plan_path: str | None, overrides: list[str] | None, *, world
 
 
 def default_plan_dict(given: dict, world_size: int, global_batch: Any) -> dict:
-    """A layout for `world_size` local devices: all FSDP, unless degrees are given."""
-    d = dict(given)
-    fixed = 1
-    for k in ("dp_replicate", "pp", "tp", "cp"):
-        v = d.get(k, 1)
-        fixed *= v if isinstance(v, int) and v > 0 else 1
-    if "dp_shard" not in d:
-        if world_size % fixed:
-            raise ConfigError(f"the given degrees (dp_replicate*pp*tp*cp = {fixed}) do not divide the world "
-                              f"size {world_size}")
-        d["dp_shard"] = world_size // fixed
-    dp = d.get("dp_replicate", 1) * d["dp_shard"]
-    pp = d.get("pp", 1)
-    if "n_microbatches" not in d:
-        d["n_microbatches"] = min_microbatches(d.get("schedule", "1F1B"), pp) if pp > 1 else 1
-    if "microbatch" not in d and isinstance(global_batch, int) and global_batch > 0:
-        per = dp * d["n_microbatches"]
-        if global_batch % per:
-            raise ConfigError(f"workload global_batch {global_batch} is not divisible by dp*n_microbatches = {per}")
-        d["microbatch"] = global_batch // per
-    return d
+    """A layout for `world_size` local devices: all FSDP, unless degrees are given, with the fewest
+    micro-batches the schedule accepts (`Plan.complete`)."""
+    try:
+        return Plan.complete(given, world_size=world_size, global_batch=global_batch,
+                             fewest_microbatches=True).to_dict()
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- validation
