@@ -222,9 +222,11 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
                     + np.where(exp_blk > 0, ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha), 0.0))
         ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
         ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha)
-        head = model.vocab_size * model.dim / table.tp.astype(np.float64)       # the root unit (LM head)
-        ag_h = ring_gather_time(fsdp_n, head * r.elt, fs.bw, fs.alpha)
-        rs_h = ring_gather_time(fsdp_n, head * 4.0, fs.bw, fs.alpha)
+        # the root unit (executor/parallel/fsdp.py: fully_shard(model) after the blocks): what this rank
+        # holds outside its blocks -- embedding and/or LM head and final norm
+        root = rp["last_dense"] - nd * rp["dense_block"] - nm * rp["moe_dense_block"]
+        ag_h = ring_gather_time(fsdp_n, root * r.elt, fs.bw, fs.alpha)
+        rs_h = ring_gather_time(fsdp_n, root * 4.0, fs.bw, fs.alpha)
         # the V schedules run with resharding off: the executor keeps their parameters gathered
         # (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; executor/parallel/pipeline.py)
         v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
@@ -236,10 +238,11 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
         # the SUM of its collectives less the window's compute -- not each one against it alone.
         # Deeper prefetching does not change the steady state: the link stays serial, so a block whose
         # collectives outlast its compute exposes the difference however early they are issued.
-        fwd_pass = (ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
-                    + np.maximum(0.0, ag_h - ov * st["head_F"]))
-        rs_pass = (rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])
-                   + np.maximum(0.0, rs_h - ov * st["head_BW"]))         # a backward with its reduce-scatter
+        # The root is gathered first, before any compute it could hide under (its forward pre-hook runs
+        # before the embedding), and reduce-scattered last, after the whole backward: both exposed, as
+        # are the first block's all-gather and the last reduce-scatter of the blocks.
+        fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
+        rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
         ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
         dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass),
                       fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass)

@@ -24,7 +24,7 @@ def _parts(table, model, hw, wl, coeffs):
 def test_dense_fsdp_pays_one_ring_per_block_not_an_empty_expert_ring():
     """A dense model has no expert weights, so no expert-group collective and none of its (p-1) latency
     steps: with overlap off, the FSDP2 passes are exactly the dense rings (all-gather before forward,
-    reduce-scatter after backward, per block plus the first one and the LM head)."""
+    reduce-scatter after backward, per block plus the first one and the root unit)."""
     model, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
     wl = Workload(seq_len=2048, global_batch=512)
     coeffs = Coefficients(dp_overlap=0.0)
@@ -33,7 +33,9 @@ def test_dense_fsdp_pays_one_ring_per_block_not_an_empty_expert_ring():
     dp, _ = S.data_parallel(t, model, hw, wl, coeffs, links, r, st)
     fs = links["fsdp"]
     blk = rank_params(t, model)["dense_block"]
-    head = model.vocab_size * model.dim
+    from cost_models.flops import param_counts
+    pc = param_counts(model)
+    head = pc["embedding"] + pc["lm_head"] + pc["final_norm"]      # the root unit (pp = 1, tp = 1)
     ag, rs = (ring_gather_time(512, blk * b, fs.bw, fs.alpha) for b in (2.0, 4.0))
     ag_h, rs_h = (ring_gather_time(512, head * b, fs.bw, fs.alpha) for b in (2.0, 4.0))
     n = model.n_layers
@@ -132,3 +134,22 @@ def test_group_limited_routing_keys_are_checked():
         dataclasses.replace(m, n_limited_groups=9)
     with pytest.raises(SpecError, match="'n_limited_groups' needs 'n_expert_groups'"):
         dataclasses.replace(m, n_expert_groups=0)
+
+
+def test_root_unit_collectives_are_exposed_not_hidden_under_the_head():
+    """The root (embedding, final norm, LM head) is all-gathered before any compute and reduce-scattered
+    after the whole backward (executor/parallel/fsdp.py: fully_shard(model) after the blocks), so with
+    full overlap the data-parallel time still holds both of them in full, per micro-batch (pp = 1)."""
+    from cost_models.flops import param_counts
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
+    wl = Workload(seq_len=8192, global_batch=256)
+    coeffs = Coefficients()
+    t = CandidateTable.from_plans([Plan(dp_shard=128, microbatch=1, n_microbatches=2, ac="full")])
+    r, links, st = _parts(t, model, hw, wl, coeffs)
+    dp, _ = S.data_parallel(t, model, hw, wl, coeffs, links, r, st)
+    fs = links["fsdp"]
+    pc = param_counts(model)
+    root = pc["embedding"] + pc["lm_head"] + pc["final_norm"]
+    blk = rank_params(t, model)["dense_block"]
+    one = sum(ring_gather_time(128, x * b, fs.bw, fs.alpha)[0] for x in (root, blk) for b in (2.0, 4.0))
+    assert dp[0] == pytest.approx(2 * one, rel=1e-6)       # every block's window hides its collectives
