@@ -159,14 +159,14 @@ class HardwareSpec:
     device: Literal["cuda", "cpu", "rocm"]
     peak_tflops_bf16: float
     peak_tflops_fp32: float
-    peak_tflops_fp8: float = 0.0  # 0 -> no float8 GEMMs
+    peak_tflops_fp8: float = field(default=0.0, metadata=_COUNT)  # 0 -> no float8 GEMMs
     memory_gib: float = 80.0
     memory_bw_gbs: float = 2000.0
     gpus_per_node: int = 8
     intra_node_bw_gbs: float = 300.0
-    intra_node_latency_us: float = 5.0
+    intra_node_latency_us: float = field(default=5.0, metadata=_COUNT)
     inter_node_bw_gbs: float | None = None   # per GPU; None (not given) = from the NICs below, else 25
-    inter_node_latency_us: float = 10.0
+    inter_node_latency_us: float = field(default=10.0, metadata=_COUNT)
     # -- the inter-node network as one GPU sees it: the line rate of a NIC (Gb/s) and how many GPUs
     #    share one (DGX H100: 8x 400 Gb/s ConnectX-7, one per GPU; DGX A100: 8x 200 Gb/s HDR; AWS p4d:
     #    4x 100 Gb/s EFA for 8 GPUs).  When given, inter_node_bw_gbs = nic_gbps / 8 / gpus_per_nic

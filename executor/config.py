@@ -28,15 +28,18 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 
 from cost_models.specs import ModelSpec, SpecError, Workload, load_hardware, load_model
 from search_spaces.constraints import Target, check_plan
-from search_spaces.yaml_file import read_yaml
+from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
-from search_spaces.planfile import read_plan_file as read_checked_plan_file
+from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
+from search_spaces.yaml_file import parse_yaml, read_yaml
+
+from .tokenizer import ByteTokenizer, load_tokenizer
 
 DEFAULT_MODEL = "llama3-debug"
 DEFAULT_SEQ_LEN = 256
@@ -45,83 +48,71 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))   # what tit
 TOP_LEVEL_USED = ("model", "hardware", "workload", "plan", "train")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A run configuration that cannot be used (reported as one line, exit code 2)."""
+
+
+# range rules of the typed reader (search_spaces.typed, field metadata)
+_AT_LEAST_1 = {"min": 1}
+_AT_LEAST_0 = {"min": 0}
+_FRACTION = {"min": 0, "max": 1}                    # [0, 1]
+_BETA = {"min": 0, "max": 1, "open": "right"}       # [0, 1): a moment decay of 1 never forgets
+_POSITIVE = {"min": 0, "open": "left"}              # > 0
+_NONEMPTY = {"nonempty": True}
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """How to train: optimizer, schedule, data, logging.  All keys optional in a plan file."""
+    """How to train: optimizer, schedule, data, logging.  All keys optional in a plan file.
 
-    steps: int = 150
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio
-    warmup: int = 15                # linear warmup steps
-    weight_decay: float = 0.1       # applied to matrices and embeddings (ndim >= 2) only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0          # max global grad norm; 0 disables clipping (norm still reported)
-    seed: int = 0
-    data: str = "stdlib"            # "stdlib" | path of a .txt/.jsonl file or a folder of them
-    tokenizer: str = "bytes"        # "bytes" | path of a HF tokenizer.json
-    max_corpus_bytes: int = 16_000_000
-    dtype: str = "auto"             # auto: fp32 on CPU; on GPU workload.dtype if given, else bf16 | bf16 | fp32
-    optimizer_impl: str = "auto"    # auto (fused on GPU, foreach on CPU) | fused | foreach | for-loop
-    log_every: int = 1
-    profile_step: int = 2           # CPU: step whose peak memory is measured with the profiler; 0 = never
+    Types, choices (``Literal``) and ranges (field metadata) are read by the one typed
+    reader, `search_spaces.typed.from_mapping`; numbers must be finite.
+    """
+
+    steps: int = field(default=150, metadata=_AT_LEAST_1)
+    lr: float = field(default=3e-3, metadata=_AT_LEAST_0)
+    min_lr_ratio: float = field(default=0.1, metadata=_FRACTION)   # cosine decays to lr * min_lr_ratio
+    warmup: int = field(default=15, metadata=_AT_LEAST_0)          # linear warmup steps
+    weight_decay: float = field(default=0.1, metadata=_AT_LEAST_0)  # matrices and embeddings (ndim >= 2) only
+    beta1: float = field(default=0.9, metadata=_BETA)
+    beta2: float = field(default=0.95, metadata=_BETA)
+    eps: float = field(default=1e-8, metadata=_POSITIVE)
+    grad_clip: float = field(default=1.0, metadata=_AT_LEAST_0)  # max global grad norm; 0 disables clipping
+    seed: int = field(default=0, metadata=_AT_LEAST_0)
+    data: str = field(default="stdlib", metadata=_NONEMPTY)  # "stdlib" | a .txt/.jsonl file or a folder of them
+    tokenizer: str = field(default="bytes", metadata=_NONEMPTY)  # "bytes" | path of a HF tokenizer.json
+    max_corpus_bytes: int = field(default=16_000_000, metadata=_AT_LEAST_1)
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: fp32 on CPU; on GPU workload.dtype if given, else bf16
+    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # auto: fused on GPU, foreach on CPU
+    log_every: int = field(default=1, metadata=_AT_LEAST_1)
+    profile_step: int = field(default=2, metadata=_AT_LEAST_0)  # CPU: step whose peak memory is measured; 0 = never
     tensorboard: bool = True
-    expert_bias_gamma: float = 1e-3  # MoE aux-loss-free balancing: bias step per optimizer step (load_balance_bias)
-    pg_timeout_s: int = 300         # collective timeout: a stuck rank fails instead of hanging
-    checkpoint_every: int = 0       # save a checkpoint every K steps and at the end; 0 = no checkpoints
-    keep_checkpoints: int = 3       # complete checkpoints kept (oldest removed); 0 = keep all
+    expert_bias_gamma: float = field(default=1e-3, metadata=_AT_LEAST_0)  # MoE aux-loss-free balancing: bias
+    #                                 step per optimizer step (load_balance_bias)
+    pg_timeout_s: int = field(default=300, metadata=_AT_LEAST_1)  # collective timeout: a stuck rank fails
+    checkpoint_every: int = field(default=0, metadata=_AT_LEAST_0)  # save every K steps and at the end; 0 = never
+    keep_checkpoints: int = field(default=3, metadata=_AT_LEAST_0)  # complete checkpoints kept; 0 = keep all
     checkpoint_dir: str = ""        # default <run_dir>/checkpoints
     async_checkpoint: bool = False  # write in a background process while training continues
-    async_checkpoint_cpu_share: float = 0.1  # the background writer pauses so its CPU time stays <= this
-                                    # fraction of wall time (short slices disturb training far less); 1 = no pauses
+    async_checkpoint_cpu_share: float = field(default=0.1, metadata={"min": 0, "max": 1, "open": "left"})
+    #                                 the background writer pauses so its CPU time stays <= this fraction
+    #                                 of wall time (short slices disturb training far less); 1 = no pauses
     resume: str = ""                # "" | "latest" | a checkpoint folder | a folder of them (titan-run --resume)
 
     def __post_init__(self) -> None:
-        for k, lowest in (("steps", 1), ("log_every", 1), ("max_corpus_bytes", 1), ("pg_timeout_s", 1),
-                          ("warmup", 0), ("seed", 0), ("profile_step", 0), ("checkpoint_every", 0),
-                          ("keep_checkpoints", 0)):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
-                raise ConfigError(f"train key '{k}' must be an integer >= {lowest}, got {v!r}")
-        for k in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "expert_bias_gamma",
-                  "async_checkpoint_cpu_share"):
-            v = getattr(self, k)
-            if isinstance(v, str):          # YAML 1.1 reads 1e-3 (no dot) as a string
-                try:
-                    v = float(v)
-                except ValueError:
-                    pass
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"train key '{k}' must be a non-negative number, got {v!r}")
-            object.__setattr__(self, k, float(v))
-        if not 0.0 < self.async_checkpoint_cpu_share <= 1.0:
+        v = self.async_checkpoint_cpu_share
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0.0 < v <= 1.0:
             raise ConfigError("train key 'async_checkpoint_cpu_share' must be in (0, 1] (a fraction of one core), "
-                              f"got {self.async_checkpoint_cpu_share!r}")
-        for k, allowed in (("dtype", ("auto", "bf16", "fp32")),
-                           ("optimizer_impl", ("auto", "fused", "foreach", "for-loop"))):
-            if getattr(self, k) not in allowed:
-                raise ConfigError(f"train key '{k}' must be one of {', '.join(allowed)}; got {getattr(self, k)!r}")
-        for k in ("data", "tokenizer", "checkpoint_dir", "resume"):
-            if not isinstance(getattr(self, k), str):
-                raise ConfigError(f"train key '{k}' must be a string, got {getattr(self, k)!r}")
-        for k in ("tensorboard", "async_checkpoint"):
-            if not isinstance(getattr(self, k), bool):
-                raise ConfigError(f"train key '{k}' must be true or false, got {getattr(self, k)!r}")
+                              f"got {v!r}")
+        check_fields(self, where="train", error=ConfigError)   # built in code: the same rules as a file
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
         if not isinstance(d, Mapping):
             raise ConfigError(f"'train' must be a mapping of train keys, got {type(d).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ConfigError(f"train: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(known))})")
-        return cls(**dict(d))
+        return from_mapping(cls, d, where="train", error=ConfigError)
+
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,11 +121,18 @@ class RunConfig:
     model: str                      # preset name or path
     spec: ModelSpec
     hardware: str | None            # preset name or path; None -> chosen from the device
-    seq_len: int
-    global_batch: int
+    workload: Workload              # seq_len, global batch (sequences), dtype, ...
     train: TrainConfig
     source: str                     # plan file path, or "default"
     resolved: dict = field(default_factory=dict)   # the plan-file dict after overrides
+
+    @property
+    def seq_len(self) -> int:
+        return self.workload.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        return self.workload.global_batch
 
     @property
     def tokens_per_step(self) -> int:
@@ -164,8 +162,8 @@ def _scalar(raw: str) -> Any:
         except ValueError:
             pass
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        return parse_yaml(raw, error=ConfigError, where="--set") if raw.strip() else ""
+    except ConfigError:
         return raw
 
 
@@ -218,51 +216,53 @@ def load_run_config(plan_path: str | None, overrides: list[str] | None, *, world
     raw = apply_overrides(raw, parse_overrides(overrides))
     if steps is not None:
         raw = apply_overrides(raw, [("train.steps", steps)])
+    check_keys(raw, TOP_LEVEL_KEYS, where=str(plan_path) if plan_path else "config", error=ConfigError)
     for k in ("plan", "train", "workload"):
         if k in raw and raw[k] is not None and not isinstance(raw[k], Mapping):
             raise ConfigError(f"'{k}' must be a mapping, got {type(raw[k]).__name__}")
-    model_name = raw.get("model") or DEFAULT_MODEL
-    if isinstance(model_name, Mapping):
-        raise ConfigError("'model' must be a preset name or the path of a model YAML file")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(f"the world size must be in 1..{MAX_WORLD_SIZE:,}, got {show(world_size)}")
+    model_name = DEFAULT_MODEL if raw.get("model") is None else raw["model"]
+    if not isinstance(model_name, str):
+        raise ConfigError("'model' must be a preset name or the path of a model YAML file, "
+                          f"got {show(model_name)}")
     try:
-        spec = load_model(str(model_name))
+        spec = load_model(model_name)
     except SpecError as e:
         raise ConfigError(str(e)) from None
     hardware = raw.get("hardware")
     if isinstance(hardware, Mapping):   # titan-plan may write the spec inline: use its name
         hardware = hardware.get("name")
     if hardware is not None:
+        if not isinstance(hardware, str):
+            raise ConfigError(f"'hardware' must be a preset name or the path of a hardware YAML file, "
+                              f"got {show(hardware)}")
         try:
-            load_hardware(str(hardware))
+            load_hardware(hardware)
         except SpecError as e:
             raise ConfigError(str(e)) from None
 
-    workload = dict(raw.get("workload") or {})
-    unknown = sorted(set(workload) - set(WORKLOAD_KEYS))
-    if unknown:
-        raise ConfigError(f"workload: unknown key '{unknown[0]}' (allowed: {', '.join(WORKLOAD_KEYS)})")
-    seq_len = workload.get("seq_len", DEFAULT_SEQ_LEN)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ConfigError(f"workload key 'seq_len' must be a positive integer, got {seq_len!r}")
-
+    given = dict(raw.get("workload") or {})
+    check_keys(given, WORKLOAD_KEYS, where="workload", error=ConfigError)
     plan_dict = dict(raw.get("plan") or {})
     if not plan_path:
-        plan_dict = default_plan_dict(plan_dict, world_size, workload.get("global_batch", DEFAULT_GLOBAL_BATCH))
+        plan_dict = default_plan_dict(plan_dict, world_size, given.get("global_batch", DEFAULT_GLOBAL_BATCH))
     try:
         plan = Plan.from_dict(plan_dict)
     except PlanError as e:
         raise ConfigError(str(e)) from None
     except TypeError as e:
         raise ConfigError(f"plan: {e}") from None
-    global_batch = workload.get("global_batch", plan.global_batch())
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ConfigError(f"workload key 'global_batch' must be a positive integer, got {global_batch!r}")
+    try:
+        workload = from_mapping(Workload, {"seq_len": DEFAULT_SEQ_LEN, "global_batch": plan.global_batch(), **given},
+                                where="workload", error=SpecError)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
     train = TrainConfig.from_dict(raw.get("train") or {})
-    raw["model"], raw["plan"] = str(model_name), plan.to_dict()
-    raw["workload"] = {**workload, "seq_len": seq_len, "global_batch": global_batch}
+    raw["model"], raw["plan"] = model_name, plan.to_dict()
+    raw["workload"] = {**given, "seq_len": workload.seq_len, "global_batch": workload.global_batch}
     raw["train"] = dataclasses.asdict(train)
-    cfg = RunConfig(plan=plan, model=str(model_name), spec=spec, hardware=None if hardware is None else str(hardware),
-                    seq_len=seq_len, global_batch=global_batch, train=train,
+    cfg = RunConfig(plan=plan, model=model_name, spec=spec, hardware=hardware, workload=workload, train=train,
                     source=str(plan_path) if plan_path else "default", resolved=raw)
     validate(cfg, world_size)
     return cfg
@@ -298,6 +298,17 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if problems:
         reason, msg = problems[0]
         raise ConfigError(f"plan does not fit: {msg} ({reason})")
+    wl = cfg.workload
+    if wl.seq_len > spec.max_seq_len:
+        raise ConfigError(f"workload key 'seq_len' ({wl.seq_len}) is more than model '{spec.name}' allows "
+                          f"(max_seq_len {spec.max_seq_len})")
+    if wl.state_layout != "fsdp2":
+        raise ConfigError(f"workload key 'state_layout' is '{wl.state_layout}', but titan-run keeps its state as "
+                          "fsdp2 (the other layouts describe other frameworks to the planner)")
+    if wl.attention_impl != "fused" or wl.dropout:
+        key = "attention_impl" if wl.attention_impl != "fused" else "dropout"
+        raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
+                          "without dropout (that key describes other frameworks to the planner)")
     if cfg.train.warmup > cfg.train.steps:
         pass  # allowed: the run stays in warmup
     if plan.pp > 1 and not _module_exists("executor.parallel.pipeline"):
@@ -309,16 +320,33 @@ def validate(cfg: RunConfig, world_size: int) -> None:
             raise ConfigError("plan key 'float8' is true but torchao is not installed (pip install torchao)")
         if plan.tp > 1:
             raise ConfigError("plan key 'float8' with tp > 1 is not supported by titan-run yet")
-    if cfg.train.tokenizer != "bytes":
+    if cfg.train.tokenizer == "bytes":
+        n_tokens = ByteTokenizer.vocab_size
+    else:
         tok = Path(cfg.train.tokenizer)
-        if not tok.is_file():
-            raise ConfigError(f"train key 'tokenizer': file '{tok}' does not exist (or use 'bytes')")
+        if not _exists(tok, file=True):
+            raise ConfigError(f"train key 'tokenizer': file {show(str(tok))} does not exist (or use 'bytes')")
         if not _module_exists("tokenizers"):
             raise ConfigError("train key 'tokenizer' names a tokenizer.json, which needs the 'tokenizers' "
                               "package (pip install tokenizers)")
-    if cfg.train.data != "stdlib" and not Path(cfg.train.data).exists():
-        raise ConfigError(f"train key 'data': '{cfg.train.data}' does not exist (a .txt/.jsonl file, a folder, "
+        try:
+            n_tokens = load_tokenizer(str(tok)).vocab_size
+        except Exception as e:  # noqa: BLE001 - the tokenizers package raises its own exception types
+            raise ConfigError(f"train key 'tokenizer': {show(str(tok))} cannot be read as a tokenizer.json: "
+                              f"{' '.join(str(e).split())[:200]}") from None
+    if n_tokens > spec.vocab_size:
+        raise ConfigError(f"train key 'tokenizer' ({cfg.train.tokenizer}) has {n_tokens} tokens, more than the "
+                          f"vocab_size {spec.vocab_size} of model '{spec.name}'")
+    if cfg.train.data != "stdlib" and not _exists(Path(cfg.train.data)):
+        raise ConfigError(f"train key 'data': {show(cfg.train.data)} does not exist (a .txt/.jsonl file, a folder, "
                           "or 'stdlib')")
+
+
+def _exists(p: Path, *, file: bool = False) -> bool:
+    try:
+        return p.is_file() if file else p.exists()
+    except OSError:             # e.g. a name too long
+        return False
 
 
 def _module_exists(name: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import yaml
 
 from .plan import Plan, PlanError
+from .typed import check_keys
 from .yaml_file import read_yaml, write_text
 
 TOP_LEVEL_KEYS = ("model", "hardware", "workload", "plan", "train", "predicted", "measured", "inputs",
@@ -50,9 +51,7 @@ def plan_file_from_dict(data: Any, *, where: str = "plan file", parse_plan: bool
     if not isinstance(data, Mapping):
         raise PlanError(f"{where}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)} "
                         f"(got {type(data).__name__})")
-    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS), key=str)
-    if unknown:
-        raise PlanError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(TOP_LEVEL_KEYS)})")
+    check_keys(data, TOP_LEVEL_KEYS, where=where, error=PlanError)   # one line, with a "did you mean"
     if "plan" not in data:
         raise PlanError(f"{where}: missing key 'plan'")
     if "model" not in data:

@@ -117,6 +117,12 @@ def coerce(v: Any, typ: Any, *, key: str, where: str, error: type[InputError] = 
         if v is None and type(None) in args:
             return None
         rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and rest[0] in (int, float, str, bool):
+            try:
+                return coerce(v, rest[0], key=key, where=where, error=error, meta=meta)
+            except InputError:
+                word = "a number" if rest[0] is float else _type_words(rest[0])
+                raise bad(f"{_range_words(word, meta)} or null") from None
         if len(rest) == 1:
             return coerce(v, rest[0], key=key, where=where, error=error, meta=meta)
         for a in rest:

@@ -96,6 +96,77 @@ def test_config_overrides_and_default_layout(tmp_path):
         load_run_config(f, [], world_size=4)
 
 
+# issue 15: inputs that used to be accepted, or caught only after the processes started
+SILENT = [
+    ("top-level typo", {"trian": {"steps": 3}}, "unknown key 'trian' (did you mean 'train'?)"),
+    ("dtype fp8", {"workload": {"seq_len": 64, "global_batch": 4, "dtype": "fp8"}},
+     "workload: key 'dtype' must be one of bf16, fp32; got 'fp8'"),
+    ("state_layout", {"workload": {"seq_len": 64, "global_batch": 4, "state_layout": "bogus"}},
+     "key 'state_layout' must be one of fsdp2, megatron"),
+    ("lr inf", {"train": {"lr": float("inf")}}, "train: key 'lr' must be a finite number >= 0, got inf"),
+    ("lr nan", {"train": {"lr": float("nan")}}, "train: key 'lr' must be a finite number >= 0, got nan"),
+    ("grad_clip nan", {"train": {"grad_clip": float("nan")}}, "key 'grad_clip' must be a finite number"),
+    ("steps 0", {"train": {"steps": 0}}, "train: key 'steps' must be an integer >= 1, got 0"),
+    ("min_lr_ratio 5", {"train": {"min_lr_ratio": 5}}, "key 'min_lr_ratio' must be a number in [0, 1], got 5"),
+    ("beta 2.0", {"train": {"beta2": 2.0}}, "key 'beta2' must be a number in [0, 1), got 2.0"),
+    ("seq_len over max", {"workload": {"seq_len": 100000, "global_batch": 4}},
+     "workload key 'seq_len' (100000) is more than model 'llama3-debug' allows (max_seq_len 1024)"),
+    ("huge integer", {"workload": {"seq_len": 10 ** 30, "global_batch": 4}}, "must be an integer of at most"),
+]
+
+
+def _silent_plan(tmp_path: Path, change: dict) -> str:
+    d = {"model": "llama3-debug", "workload": {"seq_len": 64, "global_batch": 4},
+         "plan": {"dp_shard": 2, "microbatch": 2}}
+    d.update(change)
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump(d))
+    return str(f)
+
+
+@pytest.mark.parametrize("label,change,message", SILENT, ids=[s[0] for s in SILENT])
+def test_issue15_bad_values_refused_before_processes(tmp_path, label, change, message):
+    with pytest.raises(ConfigError) as ei:
+        load_run_config(_silent_plan(tmp_path, change), [], world_size=2)
+    assert message in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_issue15_model_file_checked_before_processes(tmp_path):
+    m = tmp_path / "m.yaml"
+    m.write_text(yaml.safe_dump({"dim": 250, "n_layers": 2, "n_heads": 16, "vocab_size": 512, "ffn_hidden": 512}))
+    with pytest.raises(ConfigError, match=r"dim \(250\) must be divisible by n_heads \(16\)"):
+        load_run_config(_silent_plan(tmp_path, {"model": str(m)}), [], world_size=2)
+    with pytest.raises(ConfigError, match="the world size must be in 1..1,048,576"):
+        load_run_config(_silent_plan(tmp_path, {}), [], world_size=2 ** 21)
+    with pytest.raises(ConfigError, match="an empty name"):
+        load_run_config(_silent_plan(tmp_path, {"model": ""}), [], world_size=2)
+
+
+@pytest.mark.parametrize("label,dry", [("top-level typo", False), ("lr nan", False), ("beta 2.0", True),
+                                       ("seq_len over max", True)])
+def test_issue15_launcher_and_dry_run_refuse_in_one_line(tmp_path, label, dry):
+    change, message = {s[0]: (s[1], s[2]) for s in SILENT}[label]
+    plan = _silent_plan(tmp_path, change)
+    if dry:                                    # the dry run validates the same way as the launcher
+        p = run(["--dry-run", "--plan", plan], timeout=120)
+    else:
+        p = run(["--plan", plan, "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert_one_line_error(p, message, tmp_path / "run")
+
+
+def test_issue15_dry_run_world_and_unreadable_plans(tmp_path):
+    plan = _silent_plan(tmp_path, {})
+    for world, message in (("3", "but the world size is 3"), ("0", "the world size must be in 1..1,048,576"),
+                           (str(2 ** 63), "the world size must be in 1..1,048,576")):
+        p = run(["--dry-run", "--plan", plan, "--world", world], timeout=120)
+        assert_one_line_error(p, message, tmp_path / "run")
+    (tmp_path / "bin.yaml").write_bytes(b"\x7fELF\xff\xfe\x00")
+    for f, message in ((tmp_path / "bin.yaml", "not a UTF-8 text file"), (tmp_path, "is a folder"),
+                       (tmp_path / ("n" * 4000), "File name too long")):
+        p = run(["--plan", str(f), "--run-dir", str(tmp_path / "run")], timeout=120)
+        assert_one_line_error(p, message, tmp_path / "run")
+
+
 # --------------------------------------------------------------------------- real processes
 @pytest.mark.slow
 @pytest.mark.distributed
