@@ -21,7 +21,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any, Mapping
 
 from . import constraints as C
-from .typed import INT_LIMIT, InputError, show
+from .typed import INT_LIMIT, InputError, check_keys, show
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
@@ -245,9 +245,7 @@ PLAN_KEYS = tuple(f.name for f in dataclasses.fields(Plan))
 def _checked_mapping(d: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(d, Mapping):
         raise PlanError(f"{where} must be a mapping of plan keys, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(PLAN_KEYS), key=str)
-    if unknown:
-        raise PlanError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(PLAN_KEYS))})")
+    check_keys(d, sorted(PLAN_KEYS), where=where, error=PlanError)     # one line, with a "did you mean"
     return d
 
 

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 
 from .plan import AC_MODES, BACKENDS, SCHEDULES, PlanError
-from .typed import MAX_WORLD_SIZE, InputError, show
+from .typed import MAX_WORLD_SIZE, InputError, check_keys, show
 from .yaml_file import read_yaml
 
 SPACE_DIR = Path(__file__).parent
@@ -83,10 +83,7 @@ def load_space(name_or_path: str | os.PathLike) -> SearchSpace:
 def space_from_dict(data: Any, *, where: str = "space", default_name: str = "custom") -> SearchSpace:
     if not isinstance(data, Mapping):
         raise SpaceError(f"{where}: expected a mapping with keys degrees, knobs")
-    allowed_top = {"name", "description", "degrees", "knobs", "tp_within_node"}
-    unknown = sorted(set(data) - allowed_top)
-    if unknown:
-        raise SpaceError(f"{where}: unknown key '{unknown[0]}' (allowed: {', '.join(sorted(allowed_top))})")
+    check_keys(data, ("degrees", "description", "knobs", "name", "tp_within_node"), where=where, error=SpaceError)
     degrees_in = data.get("degrees") or {}
     if not isinstance(degrees_in, Mapping):
         raise SpaceError(f"{where}: key 'degrees' must be a mapping of {', '.join(DEGREE_AXES)}")
