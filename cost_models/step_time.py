@@ -239,8 +239,9 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
         # Deeper prefetching does not change the steady state: the link stays serial, so a block whose
         # collectives outlast its compute exposes the difference however early they are issued.
         # The root is gathered first, before any compute it could hide under (its forward pre-hook runs
-        # before the embedding), and reduce-scattered last, after the whole backward: both exposed, as
-        # are the first block's all-gather and the last reduce-scatter of the blocks.
+        # before the embedding; PyTorch FSDP notes, "FSDP Prefetch Nuances": "the 1st all-gather will
+        # not be able to overlap with anything"), and reduce-scattered last, after the whole backward:
+        # both exposed, as are the first block's all-gather and the last reduce-scatter of the blocks.
         fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
         rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
         ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
