@@ -58,7 +58,8 @@ class Coefficients:
     memory_overhead_bytes: float = 0.0       # extra per-rank bytes on top of the modelled terms
     allocator_fragmentation: float = 0.05    # physical: reserved/allocated - 1 of PyTorch's caching
     #   allocator, applied to activations, logits and FSDP buffers (peaks are compared with
-    #   torch.cuda.max_memory_reserved, which TorchTitan reports)
+    #   torch.cuda.max_memory_reserved, which TorchTitan reports); `estimate` takes it from the hardware
+    #   spec (HardwareSpec.allocator_fragmentation), this figure only when memory is modelled without one
     activation_memory_scale: float = 1.0
     pipeline_buffer_memory_scale: float = 1.0  # multiplies the P2P send buffers the multi-stage pipeline
     #   schedules keep until the end of the step (memory.pipeline_extra_bytes 'sends')

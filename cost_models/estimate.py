@@ -66,7 +66,7 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     """
     coeffs = coeffs or Coefficients()
     n = len(table)
-    mem = memory_breakdown(table, model, workload, coeffs, caching_allocator=hw.device != "cpu")
+    mem = memory_breakdown(table, model, workload, coeffs, hw=hw)
     tim = step_time_breakdown(table, model, hw, workload, coeffs)
     mem = {k: np.asarray(mem[k], dtype=np.float64) + np.zeros(n) for k in MEMORY_KEYS}
     tim = {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(n) for k in TIME_KEYS}

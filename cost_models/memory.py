@@ -237,15 +237,47 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- the breakdown
-def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool = True) -> dict[str, np.ndarray]:
-    """Per-rank bytes by category for the worst pipeline rank.
+def nccl_communicators(table) -> np.ndarray:
+    """NCCL communicators a rank initializes: one per process group of more than one rank that runs a
+    collective (executor/mesh.py: the mesh axes, the FSDP group dp_shard x cp, the expert groups, the
+    dp x cp group of the loss and gradient norm) and the default (world) group when it is none of them."""
+    one = np.ones(len(table), dtype=np.int64)
+    fsdp, ep = table.fsdp_size, table.ep
+    groups = [table.pp > 1, table.tp > 1, table.cp > 1, fsdp > 1, table.dp_replicate > 1,
+              (table.dp_replicate > 1) & (fsdp > 1),                  # dp_cp (HSDP): loss / grad-norm reductions
+              (ep > 1) & (ep != fsdp),                               # the EP all-to-all group
+              (ep > 1) & (fsdp // ep > 1)]                           # expert FSDP (efsdp)
+    axes = sum(((table.pp > 1), (table.tp > 1), (table.cp > 1), (fsdp > 1), (table.dp_replicate > 1))).astype(np.int64)
+    return sum(g.astype(np.int64) for g in groups) + np.where(axes > 1, one, 0)
 
-    `caching_allocator`: GPU runs go through PyTorch's caching allocator, whose
-    fragmentation (``coeffs.allocator_fragmentation``) adds to the peak; CPU
-    tensors are freed to the system allocator at once, so CPU plans have none.
+
+def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool = True,
+                     hw=None) -> dict[str, np.ndarray]:
+    """Per-rank bytes by category for the worst pipeline rank (`memory_by_rank`'s heaviest)."""
+    by_rank = memory_by_rank(table, model, workload, coeffs, caching_allocator=caching_allocator, hw=hw)
+    totals = np.array([sum(by_rank[w].values()) for w in RANKS])
+    worst = np.argmax(totals, axis=0)                # ties: the first of RANKS
+    return {k: np.choose(worst, [by_rank[w][k] for w in RANKS]) for k in MEMORY_KEYS}
+
+
+def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = True,
+                   hw=None) -> dict[str, dict[str, np.ndarray]]:
+    """{'first'|'last'|'busiest': per-rank bytes by category} (`cost_models.layout` names the ranks).
+
+    `hw` (a HardwareSpec) gives the GPU-side terms: its caching allocator's fragmentation
+    (``allocator_fragmentation``, reserved/allocated - 1) on the activations, logits and FSDP
+    buffers, and ``nccl_buffer_gib`` per NCCL communicator the rank holds (`nccl_communicators`),
+    both in ``overhead``; without `hw`, ``coeffs.allocator_fragmentation`` when `caching_allocator`.
+    CPU tensors are freed to the system allocator at once, so CPU plans have no fragmentation.
     """
     n = len(table)
-    frag = coeffs.allocator_fragmentation if caching_allocator else 0.0
+    if hw is not None:
+        caching_allocator = hw.device != "cpu"
+        frag = hw.allocator_fragmentation
+        nccl = np.where(hw.device == "cpu", 0.0, hw.nccl_buffer_gib * 2.0 ** 30 * nccl_communicators(table))
+    else:
+        frag = coeffs.allocator_fragmentation if caching_allocator else 0.0
+        nccl = np.zeros(n)
     # the executor applies FSDP when some rank shares the data-parallel work, or on one rank for
     # bf16 mixed precision (executor/parallel/__init__.py: uses_fsdp)
     fsdp_applied = (table.dp_cp > 1) | (workload.dtype != "fp32")
@@ -325,7 +357,7 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
                 + np.where(has_head, (head_infl - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
                 + pipe["sends"] * coeffs.pipeline_buffer_memory_scale)
         logits = np.where(has_head, logits_head - logits_turn, 0.0) + (transient - working_set)
-        overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp)
+        overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp) + nccl
         # With one backward pass over the step's activations (pp == 1 with one micro-batch, or
         # GPipe: all forwards first) the activation peak comes at the forward/backward turn, before
         # any gradient exists; gradients and the activations then never coexist in full (measured:
@@ -338,6 +370,4 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
         grads = np.where(one_pass, np.maximum(0.0, grads - (acts + logits + fsdp)), grads)
         results[which] = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, logits=logits,
                               fsdp_buffers=fsdp, overhead=overhead + np.zeros(n))
-    totals = np.array([sum(results[w].values()) for w in RANKS])
-    worst = np.argmax(totals, axis=0)                # ties: the first of RANKS
-    return {k: np.choose(worst, [results[w][k] for w in RANKS]) for k in MEMORY_KEYS}
+    return results

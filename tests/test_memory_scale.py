@@ -4,10 +4,17 @@ from __future__ import annotations
 import os
 import stat
 
+import numpy as np
 import pytest
 
-from cost_models.specs import SpecError, hardware_from_dict, load_hardware, preset_for_gpu_name, preset_names
+from cost_models.coefficients import Coefficients
+from cost_models.estimate import GIB, estimate
+from cost_models.memory import memory_by_rank, nccl_communicators
+from cost_models.specs import (SpecError, Workload, hardware_from_dict, load_hardware, load_model, preset_for_gpu_name,
+                               preset_names)
 from planner.local import UNKNOWN_GPU_PRESET, detect_local_devices
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
 
 
 # --------------------------------------------------------------------------- GPU name -> preset
@@ -62,3 +69,41 @@ def test_local_devices_use_the_one_table(tmp_path, monkeypatch):
     _fake_smi(tmp_path, monkeypatch, "Tesla V100-SXM2-32GB, 32768")
     d = detect_local_devices()
     assert d.hardware == UNKNOWN_GPU_PRESET and "no hardware preset lists this GPU" in d.description
+
+
+# --------------------------------------------------------------------------- GPU-side terms
+def test_nccl_communicators_follow_the_mesh():
+    plans = [Plan(), Plan(dp_shard=8), Plan(dp_shard=128, pp=16, tp=8, n_microbatches=16),
+             Plan(dp_replicate=2, dp_shard=4, cp=2),
+             Plan(dp_shard=128, pp=16, ep=64, schedule="DualPipeV", stages_per_rank=2, n_microbatches=32),
+             Plan(dp_shard=8, ep=8)]
+    # none; FSDP = world; pp, tp, FSDP + world; cp, FSDP, replicas, dp x cp + world; pp, FSDP, EP, expert
+    # FSDP + world; FSDP (= the EP group), no expert FSDP group
+    assert nccl_communicators(CandidateTable.from_plans(plans)).tolist() == [0, 1, 4, 5, 5, 1]
+
+
+def test_gpu_side_terms_come_from_the_hardware_spec():
+    model, wl = load_model("llama3-8b"), Workload(seq_len=8192, global_batch=16)
+    t = CandidateTable.from_plans([Plan(dp_shard=8, microbatch=2, ac="selective"),
+                                   Plan(dp_shard=2, tp=4, microbatch=2, ac="selective")])
+    h100 = load_hardware("h100-sxm")
+    bare = hardware_from_dict({**h100.to_dict(), "nccl_buffer_gib": 0.0, "allocator_fragmentation": 0.0})
+    base = memory_by_rank(t, model, wl, Coefficients(), hw=bare)
+    full = memory_by_rank(t, model, wl, Coefficients(), hw=h100)
+    b, f = base["first"], full["first"]
+    transient = b["activations"] + b["logits"] + b["fsdp_buffers"]
+    np.testing.assert_allclose(f["overhead"] - b["overhead"],
+                               h100.allocator_fragmentation * transient + h100.nccl_buffer_gib * GIB * np.array([1, 3]))
+    e = estimate(t, model, h100, wl)
+    assert e.capacity_bytes == (h100.memory_gib - h100.cuda_context_gib) * GIB      # memory_reserved_gib not given
+    cpu = memory_by_rank(t, model, wl, Coefficients(), hw=load_hardware("cpu"))["first"]
+    np.testing.assert_allclose(cpu["overhead"], Coefficients().memory_overhead_bytes)   # no NCCL, no caching allocator
+
+
+def test_gpu_presets_state_their_gpu_side_terms():
+    for p in preset_names("hardware"):
+        hw = load_hardware(p)
+        if hw.device == "cpu":
+            assert hw.nccl_buffer_gib == hw.allocator_fragmentation == 0.0
+        else:
+            assert hw.cuda_context_gib > 0 and hw.nccl_buffer_gib > 0 and 0 < hw.allocator_fragmentation < 0.5, p
