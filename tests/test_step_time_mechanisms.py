@@ -153,3 +153,18 @@ def test_root_unit_collectives_are_exposed_not_hidden_under_the_head():
     blk = rank_params(t, model)["dense_block"]
     one = sum(ring_gather_time(128, x * b, fs.bw, fs.alpha)[0] for x in (root, blk) for b in (2.0, 4.0))
     assert dp[0] == pytest.approx(2 * one, rel=1e-6)       # every block's window hides its collectives
+
+
+def test_grouped_expert_gemms_run_far_below_peak_at_few_tokens_per_expert():
+    """compute.gemm_time with groups = local experts: each expert's weights are read once per micro-batch
+    (roofline) and its rows fill whole tiles only above the tile height, so efficiency falls with the
+    tokens an expert receives (DeepSeek-V3 shape, 4 local experts, H100 rates)."""
+    from cost_models.compute import gemm_time
+    rate, mem = 663e12, 3350e9 * 0.7
+
+    def eff(rows):
+        t = gemm_time(rows, 7168, 2048, rate, mem, 2.0, 2.0, 132, groups=4)
+        return float(2 * 4 * rows * 7168 * 2048 / t / rate)
+    assert eff(8192) > 0.9
+    assert eff(128) < 0.5 * eff(8192) and eff(16) < 0.1
+    assert eff(16) < eff(64) < eff(128) < eff(512)
