@@ -163,6 +163,9 @@ def model_docs() -> list[tuple[str, dict]]:
         types[k] = BAD_BOOL
     types["name"] = ["", *BAD_STR]
     out = _mutations(BASE_MODEL, types)
+    for k in MODEL_INT_POSITIVE[:6]:                   # in range for the reader, absurd for a model
+        for v in (2 ** 40, 2 ** 52):
+            out.append((f"{k}={_label(v)} (absurd)", {**copy.deepcopy(BASE_MODEL), k: v}))
     for k in BASE_MODEL:
         d = copy.deepcopy(BASE_MODEL)
         d[_typo(k)] = d.pop(k)
@@ -270,6 +273,34 @@ ESTIMATE_FLAG_BADS = {
 }
 
 
+def estimate_plan_docs() -> list[tuple[str, dict]]:
+    """Plan files as titan-plan writes them, each with one mistake (titan-plan estimate --plan)."""
+    base = {"model": "llama3-debug", "hardware": "cpu", "workload": {"seq_len": 64, "global_batch": 8},
+            "plan": {"dp_shard": 2, "microbatch": 4}, "inputs": {"gpus": 2, "gpus_per_node": 2}}
+    out = []
+    for key, bads in (("gpus", [0, -1, "x", HUGE, True, 1.5]), ("gpus_per_node", [0, "x", HUGE, -2])):
+        for v in bads:
+            d = copy.deepcopy(base)
+            d["inputs"][key] = v
+            out.append((f"inputs.{key}={_label(v)}", d))
+    for key, bads in (("seq_len", [0, "x", HUGE, -5]), ("global_batch", [0, "x", 3, HUGE]),
+                      ("dtype", ["fp8", 3]), ("state_layout", ["bogus"]), ("zero", [-1, "x"])):
+        for v in bads:
+            d = copy.deepcopy(base)
+            d["workload"][key] = v
+            out.append((f"workload.{key}={_label(v)}", d))
+    for top, v in (("model", ""), ("model", 5), ("model", "llama9"), ("hardware", 5), ("hardware", "tpu"),
+                   ("hardware", ""), ("inputs", [1]), ("workload", "x"), ("plan", [1]), ("plan", "tp2")):
+        d = copy.deepcopy(base)
+        d[top] = v
+        out.append((f"{top}={_label(v)}", d))
+    for k in ("plan", "model"):
+        d = copy.deepcopy(base)
+        del d[k]
+        out.append((f"no {k}", d))
+    return out
+
+
 def plan_cases() -> list[Case]:
     cases = []
     for label, doc in model_docs():
@@ -294,6 +325,9 @@ def plan_cases() -> list[Case]:
                       PLAN_ARGS + ["--trials", "1", "--storage", "bogus://x"]))
     cases.append(Case("titan-plan flags", "--trials 1 --storage sqlite in a missing folder", "plan",
                       PLAN_ARGS + ["--trials", "1", "--storage", "sqlite:////nonexistent/dir/t.db"]))
+    for label, doc in estimate_plan_docs():
+        cases.append(Case("titan-plan estimate --plan", label, "plan",
+                          ["estimate", "--plan", "{f}"], {"f": doc}))
     for flag, bads in ESTIMATE_FLAG_BADS.items():
         for v in bads:
             cases.append(Case("titan-plan estimate", f"{flag} {_label(v)}", "plan",
@@ -426,6 +460,9 @@ def controls() -> list[Case]:
                  {"f": BASE_SPACE}, bad=False),
             Case("controls", "titan-plan estimate", "plan",
                  ["estimate", "--gpus", "8", "--hardware", "cpu", "--global-batch", "16", "--tp", "2"], bad=False),
+            Case("controls", "titan-plan estimate --plan", "plan", ["estimate", "--plan", "{f}"],
+                 {"f": {"model": "llama3-debug", "hardware": "cpu", "workload": {"seq_len": 64, "global_batch": 8},
+                        "plan": {"dp_shard": 2, "microbatch": 4}, "inputs": {"gpus": 2}}}, bad=False),
             Case("controls", "titan-run --dry-run of a plan file", "run", ["--plan", "{f}"], {"f": BASE_RUN},
                  bad=False)]
 
@@ -659,7 +696,11 @@ def main(argv: list[str] | None = None) -> int:
         pick = controls() + rng.sample(runs, min(len(runs), args.cli * 5 // 6)) + \
             rng.sample(plans, min(len(plans), args.cli - args.cli * 5 // 6))
         t1 = time.perf_counter()
-        cli_results = [run_cli(c) for c in pick]
+        for i, c in enumerate(pick):
+            cli_results.append(run_cli(c))
+            if (i + 1) % 20 == 0:
+                print(f"[fuzz] {i + 1}/{len(pick)} through the CLIs ({time.perf_counter() - t1:.0f} s)",
+                      file=sys.stderr, flush=True)
         t_cli = time.perf_counter() - t1
     fails = [r for r in results + cli_results if not passed(r)]
     print(table(results, f"in-process ({len(results)} cases, {t_in:.0f} s)"))

@@ -30,6 +30,10 @@ class SpecError(InputError):
 # range rules read by search_spaces.typed.from_mapping (field metadata)
 _POSITIVE = {"min": 1}                     # an integer >= 1
 _COUNT = {"min": 0}                        # an integer (or number) >= 0
+MAX_WIDTH = 2 ** 24                        # the widest tensor dimension a spec may give (16,777,216)
+MAX_LAYERS = 4096                          # the deepest published models have ~130 layers
+_WIDTH = {"min": 1, "max": MAX_WIDTH}
+_WIDTH_OR_0 = {"min": 0, "max": MAX_WIDTH}
 _POSITIVE_OPEN = {"min": 0, "open": "left"}  # a number > 0
 _NONEMPTY = {"nonempty": True}
 
@@ -48,13 +52,13 @@ class ModelSpec:
     """
 
     name: str = field(metadata=_NONEMPTY)
-    dim: int = field(metadata=_POSITIVE)
-    n_layers: int = field(metadata=_POSITIVE)
-    n_heads: int = field(metadata=_POSITIVE)
-    vocab_size: int = field(metadata=_POSITIVE)
-    ffn_hidden: int = field(metadata=_POSITIVE)
-    n_kv_heads: int = field(default=0, metadata=_POSITIVE)   # not given -> n_heads (MHA)
-    head_dim: int = field(default=0, metadata=_POSITIVE)     # not given -> dim // n_heads
+    dim: int = field(metadata=_WIDTH)
+    n_layers: int = field(metadata={"min": 1, "max": MAX_LAYERS})
+    n_heads: int = field(metadata=_WIDTH)
+    vocab_size: int = field(metadata=_WIDTH)
+    ffn_hidden: int = field(metadata=_WIDTH)
+    n_kv_heads: int = field(default=0, metadata=_WIDTH)   # not given -> n_heads (MHA)
+    head_dim: int = field(default=0, metadata=_WIDTH)     # not given -> dim // n_heads
     mlp: Literal["swiglu", "gelu"] = "swiglu"                # swiglu: 3 matrices, gelu: 2
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     tie_embeddings: bool = False
@@ -63,17 +67,17 @@ class ModelSpec:
     max_seq_len: int = field(default=8192, metadata=_POSITIVE)
     # attention flavour
     attention: Literal["gqa", "mla"] = "gqa"
-    q_lora_rank: int = field(default=0, metadata=_COUNT)
-    kv_lora_rank: int = field(default=0, metadata=_COUNT)
-    qk_nope_head_dim: int = field(default=0, metadata=_COUNT)
-    qk_rope_head_dim: int = field(default=0, metadata=_COUNT)
-    v_head_dim: int = field(default=0, metadata=_COUNT)
+    q_lora_rank: int = field(default=0, metadata=_WIDTH_OR_0)
+    kv_lora_rank: int = field(default=0, metadata=_WIDTH_OR_0)
+    qk_nope_head_dim: int = field(default=0, metadata=_WIDTH_OR_0)
+    qk_rope_head_dim: int = field(default=0, metadata=_WIDTH_OR_0)
+    v_head_dim: int = field(default=0, metadata=_WIDTH_OR_0)
     # mixture of experts
-    n_experts: int = field(default=0, metadata=_COUNT)
-    top_k: int = field(default=0, metadata=_COUNT)
-    moe_ffn_hidden: int = field(default=0, metadata=_COUNT)
-    n_shared_experts: int = field(default=0, metadata=_COUNT)
-    n_dense_layers: int = field(default=0, metadata=_COUNT)
+    n_experts: int = field(default=0, metadata=_WIDTH_OR_0)
+    top_k: int = field(default=0, metadata=_WIDTH_OR_0)
+    moe_ffn_hidden: int = field(default=0, metadata=_WIDTH_OR_0)
+    n_shared_experts: int = field(default=0, metadata=_WIDTH_OR_0)
+    n_dense_layers: int = field(default=0, metadata={"min": 0, "max": MAX_LAYERS})
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     route_norm: bool = True
     route_scale: float = field(default=1.0, metadata=_POSITIVE_OPEN)

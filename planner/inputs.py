@@ -20,7 +20,7 @@ from cost_models.coefficients import Coefficients
 from cost_models.specs import HardwareSpec, ModelSpec, SpecError, Workload, load_hardware, load_model
 from search_spaces.plan import Plan
 from search_spaces.planfile import read_plan_file
-from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_keys
+from search_spaces.typed import INT_LIMIT, MAX_WORLD_SIZE, InputError, check_keys, show
 
 from .local import LocalDevices, detect_local_devices
 
@@ -150,7 +150,7 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     """The planning question from flags, then `defaults` (what a plan file says: model, hardware,
     gpus, gpus_per_node, workload), then this machine and the built-in defaults."""
     d = defaults or {}
-    model_ref = args.model or d.get("model") or DEFAULT_MODEL
+    model_ref = _given(args.model, d.get("model"), DEFAULT_MODEL)   # None-aware: '' and 0 are refused, not defaults
     model = load_model(model_ref)
     local = None
     hw_ref = args.hardware or d.get("hardware")
@@ -160,10 +160,10 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
         hw_ref = hw_ref or local.hardware
         gpus = gpus or local.count
     hw = load_hardware(hw_ref)
-    if not 1 <= gpus <= MAX_WORLD_SIZE:
-        raise UsageError(f"--gpus must be in 1..{MAX_WORLD_SIZE:,}, got {str(gpus)[:30]}")
-    gpn = args.gpus_per_node or d.get("gpus_per_node") or (
-        gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
+    _check_count("--gpus (or the plan file's inputs.gpus)", gpus)
+    gpn = _given(args.gpus_per_node, d.get("gpus_per_node"),
+                 gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))
+    _check_count("--gpus-per-node (or the plan file's inputs.gpus_per_node)", gpn)
     if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpn))
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
@@ -179,7 +179,8 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
     """Flags over the plan file's `given` workload over the defaults; unknown plan-file keys refused."""
     check_keys(given, WORKLOAD_KEYS, where=where, error=SpecError)
     small = _n_params_estimate(model) < 1e8
-    seq_len = args.seq_len or given.get("seq_len") or (256 if small else min(8192, model.max_seq_len))
+    seq_len = _given(args.seq_len, given.get("seq_len"), 256 if small else min(8192, model.max_seq_len))
+    _check_count(f"--seq-len (or {where}.seq_len)", seq_len, most=INT_LIMIT)
     if args.global_batch:
         gb = args.global_batch
     elif args.global_batch_tokens:
@@ -187,7 +188,7 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
         if tokens % seq_len:
             raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {seq_len}")
         gb = tokens // seq_len
-    elif given.get("global_batch"):
+    elif given.get("global_batch") is not None:
         gb = given["global_batch"]
     else:  # default: about 1M tokens for real models, 8 sequences per device for debug models
         gb = 8 * gpus if small else max(1, 2 ** 20 // seq_len)
@@ -195,6 +196,16 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
     kw.update({k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None})
     kw.setdefault("dtype", "fp32" if hw.device == "cpu" else "bf16")
     return Workload(seq_len=seq_len, global_batch=gb, **kw)
+
+
+def _given(*values: Any) -> Any:
+    """The first value that is not None (a flag, then the plan file, then the default)."""
+    return next(v for v in values if v is not None)
+
+
+def _check_count(what: str, v: Any, *, most: int = MAX_WORLD_SIZE) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+        raise UsageError(f"{what} must be an integer in 1..{most:,}, got {show(v)}")
 
 
 def _n_params_estimate(model: ModelSpec) -> float:

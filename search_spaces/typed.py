@@ -214,12 +214,16 @@ def _range_words(noun: str, meta: Mapping[str, Any]) -> str:
     lo, hi, open_ = meta.get("min"), meta.get("max"), meta.get("open", "")
     lo_open, hi_open = open_ in ("left", "both"), open_ in ("right", "both")
     if lo is not None and hi is not None:
-        return f"{noun} in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"{noun} in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
     if lo is not None:
-        return f"{noun} {'>' if lo_open else '>='} {lo:g}"
+        return f"{noun} {'>' if lo_open else '>='} {_num(lo)}"
     if hi is not None:
-        return f"{noun} {'<' if hi_open else '<='} {hi:g}"
+        return f"{noun} {'<' if hi_open else '<='} {_num(hi)}"
     return noun
+
+
+def _num(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) and abs(x) >= 10_000 else f"{x:g}"
 
 
 def _check_range(x: float, meta: Mapping[str, Any], bad, noun: str) -> None:
