@@ -54,7 +54,10 @@ def ib_share(model, ep, per_node) -> np.ndarray:
     ``N = ceil(p / k)`` nodes, and with its top_k experts spread uniformly over those, it hits
     ``D = M (1 - (1 - 1/M)^top_k)`` distinct nodes on average (occupancy), ``D (N-1)/N`` of them
     remote.  Share = that many token copies / top_k.  (The NVLink fan-out inside the node is
-    the on-node side of `comm.all_to_all_time`.)
+    the on-node side of `comm.all_to_all_time`.)  The once-per-node sending is DeepSeek's dispatch
+    (DeepEP; Megatron-LM --moe-token-dispatcher-type flex --moe-enable-deepep); an all-to-all that
+    sends every copy (Megatron's 'alltoall' dispatcher, this project's executor, which also routes
+    without the group limit) moves (p - k)/p of them -- cost_models/uncertainty.py flags the regime.
     """
     p = np.asarray(ep, dtype=np.float64)
     k = np.minimum(np.asarray(per_node, dtype=np.float64), p)

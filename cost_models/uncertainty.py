@@ -93,6 +93,8 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
     add("context parallel across nodes", (table.cp > 1) & (table.cp * table.tp > gpn))
     add("expert parallel within a node", (table.ep > 1) & (table.ep * table.tp <= gpn))
     add("expert parallel across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
+    if model.n_expert_groups and model.n_limited_groups < model.n_expert_groups:
+        add("node-limited expert routing across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
     add(f"{workload.state_layout} state layout", np.ones(n, dtype=bool))
     add(f"hardware {hw.name}", np.ones(n, dtype=bool))
     return out
