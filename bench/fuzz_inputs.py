@@ -69,7 +69,7 @@ BAD_STR = [5, None, [], {"a": 1}, True]
 class Case:
     group: str
     name: str
-    target: str                              # "plan" (titan-plan) | "run" (titan-run --dry-run)
+    target: str                              # "plan" (titan-plan) | "run" (titan-run --dry-run) | "launch" (titan-run)
     argv: list[str]
     files: dict[str, Any] = field(default_factory=dict)   # name -> YAML object | bytes | special marker
     bad: bool = True                         # False: a control that must be accepted
@@ -417,8 +417,48 @@ def run_docs() -> list[tuple[str, str, dict, list[str]]]:
     return out
 
 
-def run_cases(model_every: int = 1) -> list[Case]:
+def _yaml_scalar(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def set_cases() -> list[Case]:
+    """Each bad plan/train/workload value again as a --set override of a good plan file."""
     cases = []
+    for sec, pool in (("plan", PLAN_KEY_BADS), ("train", TRAIN_KEY_BADS), ("workload", WORKLOAD_KEY_BADS)):
+        for key, bads in pool.items():
+            for v in bads:
+                if isinstance(v, str) and _yaml_scalar(v) != v:
+                    continue                 # a string that YAML reads as something else: not the same case
+                cases.append(Case(f"--set {sec}.*", f"{key}={_label(v)}", "run",
+                                  ["--plan", "{f}", "--set", f"{sec}.{key}={_yaml_scalar(v)}"], {"f": BASE_RUN}))
+    return cases
+
+
+def launch_cases() -> list[Case]:
+    """titan-run itself (the launcher, not --dry-run): refused before torchrun starts."""
+    argv = ["--plan", "{f}", "--run-dir", "{d}/run"]
+    cases = [Case("titan-run launcher", f"--nproc-per-node {n} for a plan of 2", "launch",
+                  argv + ["--nproc-per-node", n], {"f": BASE_RUN}) for n in ("1", "3", "4", "0", "-2", str(HUGE))]
+    cases += [Case("titan-run launcher", f"--steps {n}", "launch", argv + ["--steps", n], {"f": BASE_RUN})
+              for n in ("0", "-1", str(HUGE))]
+    cases += [Case("titan-run launcher", f"--max-restarts {n}", "launch", argv + ["--max-restarts", n],
+                   {"f": BASE_RUN}) for n in ("-1",)]
+    cases += [Case("titan-run launcher", f"--resume {r}", "launch", argv + ["--resume", r], {"f": BASE_RUN})
+              for r in ("/nonexistent/ckpt", "{d}")]
+    for label, content in list(SPECIAL_FILES.items())[:10]:
+        cases.append(Case("titan-run launcher", f"plan file: {label}", "launch", argv, {"f": content}))
+    for k, v in (("lr", float("nan")), ("beta2", 2.0), ("steps", 0), ("grad_clip", float("inf"))):
+        cases.append(Case("titan-run launcher", f"train.{k}={v}", "launch", argv,
+                          {"f": {**copy.deepcopy(BASE_RUN), "train": {k: v}}}))
+    cases.append(Case("titan-run launcher", "seq_len 100000 > max_seq_len", "launch", argv,
+                      {"f": {**copy.deepcopy(BASE_RUN), "workload": {"seq_len": 100000, "global_batch": 4}}}))
+    cases.append(Case("titan-run launcher", "top-level trian", "launch", argv,
+                      {"f": {**copy.deepcopy(BASE_RUN), "trian": {"steps": 1}}}))
+    return cases
+
+
+def run_cases(model_every: int = 1) -> list[Case]:
+    cases = set_cases() + launch_cases()
     for group, label, doc, extra in run_docs():
         cases.append(Case(group, label, "run", ["--plan", "{f}"] + extra, {"f": doc}))
     for i, (label, doc) in enumerate(model_docs()):       # the model specs through titan-run too
@@ -512,7 +552,13 @@ def materialize(case: Case, d: Path) -> list[str]:
             os.symlink(d / "dev", p)
         else:
             raise AssertionError(content)
-    return [a.format(d=d, **paths) if "{" in a else a for a in case.argv]
+    subs = {"{d}": str(d), **{"{" + k + "}": v for k, v in paths.items()}}
+    out = []
+    for a in case.argv:
+        for k, v in subs.items():
+            a = a.replace(k, v)
+        out.append(a)
+    return out
 
 
 def _device(p: Path) -> None:
@@ -579,8 +625,11 @@ def classify(case: Case, rc: int | None, err: str, *, through: bool = False) -> 
 
 
 def run_in_process(case: Case, *, timeout: float = TIMEOUT_S) -> Result:
+    from executor.cli import main as run_main
     from executor.dry_run import main as dry_run_main
     from planner.cli import main as plan_main
+
+    entry = {"plan": plan_main, "run": dry_run_main, "launch": run_main}[case.target]
 
     with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
         d = Path(tmp)
@@ -594,7 +643,7 @@ def run_in_process(case: Case, *, timeout: float = TIMEOUT_S) -> Result:
         try:
             os.chdir(d)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                rc = (plan_main if case.target == "plan" else dry_run_main)(list(argv))
+                rc = entry(list(argv))
         except _Hang:
             rc = None
         except SystemExit as e:           # argparse refusals
@@ -630,6 +679,8 @@ def run_cli(case: Case, *, timeout: float = CLI_TIMEOUT_S) -> Result:
         argv = materialize(case, d)
         if case.target == "plan":
             cmd = [sys.executable, "-m", "planner.cli"] + argv
+        elif case.target == "launch":
+            cmd = [sys.executable, "-m", "executor.cli"] + argv
         else:
             cmd = [sys.executable, "-m", "executor.cli", "--dry-run"] + argv
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -691,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     cli_results: list[Result] = []
     if args.cli:
         rng = random.Random(args.seed + 1)
-        runs = [c for c in cases if c.target == "run" and c.bad]
+        runs = [c for c in cases if c.target in ("run", "launch") and c.bad]
         plans = [c for c in cases if c.target == "plan" and c.bad]
         pick = controls() + rng.sample(runs, min(len(runs), args.cli * 5 // 6)) + \
             rng.sample(plans, min(len(plans), args.cli - args.cli * 5 // 6))
