@@ -51,9 +51,16 @@ def ring_gather_time(p, nbytes, bw, alpha):
     return np.where(p > 1, (p - 1) * alpha + (p - 1) / p * nbytes / bw, 0.0)
 
 
-def all_reduce_time(p, nbytes, bw, alpha):
-    """Ring all-reduce = reduce-scatter + all-gather."""
-    return 2.0 * ring_gather_time(p, nbytes, bw, alpha)
+def all_reduce_time(p, nbytes, bw, alpha, tree_latency=None):
+    """Ring all-reduce = reduce-scatter + all-gather.  With `tree_latency` (a Link's), NCCL's choice
+    between ring and tree: the same bus bandwidth, the smaller latency (tuning.cc picks the faster
+    algorithm per call; the tree's latency grows with log2 of the nodes, the ring's linearly)."""
+    ring = 2.0 * ring_gather_time(p, nbytes, bw, alpha)
+    if tree_latency is None:
+        return ring
+    p = np.asarray(p, dtype=np.float64)
+    ring_lat = 2.0 * (p - 1) * alpha
+    return np.where(p > 1, ring - ring_lat + np.minimum(ring_lat, tree_latency), 0.0)
 
 
 def p2p_time(nbytes, bw, alpha):
@@ -96,6 +103,7 @@ class Link:
     per_node: np.ndarray
     p2p_bw: np.ndarray
     p2p_alpha: np.ndarray      # one point-to-point transfer: the link it crosses
+    tree_latency: np.ndarray   # NCCL tree all-reduce latency: 2((k-1) intra + log2(nodes) inter)
 
 
 def link_params(hw, coeffs) -> dict[str, float]:
@@ -126,9 +134,14 @@ def group_link(degree, stride, hw, coeffs) -> Link:
     ring_alpha = ((degree - nodes) * lp["intra_alpha"] + (nodes - 1) * lp["inter_alpha"]) / steps
     alpha = np.where(intra, lp["intra_alpha"], ring_alpha)
     p2p_alpha = np.where(intra, lp["intra_alpha"], lp["inter_alpha"])
+    # NCCL tree (tuning.cc: 2 * ((nRanks/nNodes - 1) * intraLat + log2i(nNodes) * interLat)): a chain
+    # over NVLink inside each node, a binary tree across nodes
+    tree_latency = 2.0 * ((np.minimum(per_node, degree) - 1) * lp["intra_alpha"]
+                          + np.floor(np.log2(np.maximum(nodes, 1))) * lp["inter_alpha"])
     p2p_bw = np.where(intra, lp["intra_bw"], lp["inter_bw"])
     return Link(bw=bw.astype(np.float64), alpha=alpha.astype(np.float64), intra=intra, per_node=per_node,
-                p2p_bw=p2p_bw.astype(np.float64), p2p_alpha=p2p_alpha.astype(np.float64))
+                p2p_bw=p2p_bw.astype(np.float64), p2p_alpha=p2p_alpha.astype(np.float64),
+                tree_latency=tree_latency.astype(np.float64))
 
 
 def axis_links(table, hw, coeffs) -> dict[str, Link]:

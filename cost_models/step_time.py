@@ -221,7 +221,8 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
             return (ring_gather_time(fsdp_n, dense_blk * nbytes, fs.bw, fs.alpha)
                     + np.where(exp_blk > 0, ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha), 0.0))
         ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
-        ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha)
+        ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha,
+                            rep.tree_latency)
         # the root unit (executor/parallel/fsdp.py: fully_shard(model) after the blocks): what this rank
         # holds outside its blocks -- embedding and/or LM head and final norm
         root = rp["last_dense"] - nd * rp["dense_block"] - nm * rp["moe_dense_block"]
@@ -257,7 +258,7 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
             red = ring_gather_time(dpn, 4.0 * local, link.bw, link.alpha)
             gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
         else:
-            red, gath = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha), 0.0
+            red, gath = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha, link.tree_latency), 0.0
         dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
         opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
     return dp, opt_bytes

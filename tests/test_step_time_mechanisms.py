@@ -168,3 +168,20 @@ def test_grouped_expert_gemms_run_far_below_peak_at_few_tokens_per_expert():
     assert eff(8192) > 0.9
     assert eff(128) < 0.5 * eff(8192) and eff(16) < 0.1
     assert eff(16) < eff(64) < eff(128) < eff(512)
+
+
+def test_all_reduce_takes_the_tree_latency_across_many_nodes():
+    """NCCL (tuning.cc) picks ring or tree per call: across 64 nodes the tree's 2(7 intra + 6 inter) latency
+    replaces the ring's 2 x 511 steps; inside one node both are the same chain."""
+    from cost_models.comm import all_reduce_time, group_link, link_params
+    hw, coeffs = load_hardware("h100-sxm"), Coefficients()
+    lp = link_params(hw, coeffs)
+    big = group_link(np.array([512]), np.array([1]), hw, coeffs)
+    tree = 2 * (7 * lp["intra_alpha"] + 6 * lp["inter_alpha"])
+    assert big.tree_latency[0] == pytest.approx(tree)
+    n = 1e6
+    t = all_reduce_time(512, n, big.bw, big.alpha, big.tree_latency)[0]
+    assert t == pytest.approx(2 * 511 / 512 * n / big.bw[0] + tree)
+    node = group_link(np.array([8]), np.array([1]), hw, coeffs)
+    assert all_reduce_time(8, n, node.bw, node.alpha, node.tree_latency)[0] == pytest.approx(
+        all_reduce_time(8, n, node.bw, node.alpha)[0])
