@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from cost_models.specs import load_hardware
-
-_GPU_NAMES = (("h200", "h200"), ("h100", "h100-sxm"), ("b200", "b200"), ("mi300", "mi300x"),
-              ("a100-sxm4-40", "a100-40g"), ("a100-pcie-40", "a100-40g"), ("a100", "a100-80g"))
+from cost_models.specs import load_hardware, preset_for_gpu_name
 
 
 def hardware_for_device(device: torch.device, override: str | None):
-    """The hardware spec for MFU: the override, else the CPU preset or the GPU matched by name."""
+    """The hardware spec for MFU: the override, else the CPU preset or the GPU's preset by its device name
+    and memory (``cost_models.specs.preset_for_gpu_name``, the table ``titan-plan`` uses too); None for a
+    GPU no preset lists."""
     if override:
         return load_hardware(override)
     if device.type == "cpu":
         return load_hardware("cpu")
-    name = torch.cuda.get_device_name(device).lower().replace(" ", "-")
-    for key, preset in _GPU_NAMES:
-        if key in name:
-            return load_hardware(preset)
-    return None
+    props = torch.cuda.get_device_properties(device)
+    preset = preset_for_gpu_name(props.name, props.total_memory / 2**30)
+    return load_hardware(preset) if preset is not None else None
 
 
 def mfu(tokens_per_s_per_device: float, fpt: float | None, peak_flops: float | None) -> float | None:
