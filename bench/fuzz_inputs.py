@@ -328,6 +328,14 @@ def plan_cases() -> list[Case]:
     for label, doc in estimate_plan_docs():
         cases.append(Case("titan-plan estimate --plan", label, "plan",
                           ["estimate", "--plan", "{f}"], {"f": doc}))
+    (Path(tempfile.gettempdir()) / "fuzz-not-a-db.db").write_text("hello\n")
+    for storage in ("sqlite:////nonexistent/x.db", "sqlite:///" + tempfile.gettempdir() + "/fuzz-not-a-db.db",
+                    "sqlite:///" + tempfile.gettempdir(), "bogus", "bogus://x", "sqlite:///{d}/empty.db"):
+        cases.append(Case("titan-plan calibrate/profile", f"calibrate --storage {storage}", "plan",
+                          ["calibrate", "--storage", storage, "--out", "{d}/cal.yaml"]))
+    for argv in (["profile", "--nproc", "0"], ["profile", "--nproc", str(HUGE)], ["profile", "--max-bytes", "0"],
+                 ["profile", "--out", ""], ["calibrate", "--out", ""]):
+        cases.append(Case("titan-plan calibrate/profile", " ".join(argv), "plan", argv))
     for flag, bads in ESTIMATE_FLAG_BADS.items():
         for v in bads:
             cases.append(Case("titan-plan estimate", f"{flag} {_label(v)}", "plan",
