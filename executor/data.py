@@ -117,9 +117,6 @@ class PackedBatches:
             self._perm_epoch = epoch
         return int(self._perm[i])
 
-    def global_rows(self, step: int) -> list[int]:
-        return [self._sample_index(step * self.global_batch + j) for j in range(self.global_batch)]
-
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels), each [global_batch / dp, seq_len] int64 on the CPU."""
         local = self.global_batch // self.dp_size

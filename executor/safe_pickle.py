@@ -38,6 +38,8 @@ import pathlib
 import pickletools
 
 import torch
+import torch.distributed.checkpoint.filesystem as fs
+import torch.distributed.checkpoint.metadata as md
 
 from search_spaces.typed import InputError
 
@@ -75,8 +77,6 @@ ALLOWED = (_DATACLASSES | {("torch", n) for n in _DTYPES} | set(_PATHS)
 
 def _dataclass(g: _Global):
     """The real class for an allowed dataclass token (looked up in modules torch itself imported)."""
-    import torch.distributed.checkpoint.filesystem as fs
-    import torch.distributed.checkpoint.metadata as md
     cls = getattr({_DCP_META: md, _DCP_FS: fs}[g.module], g.name, None)
     if cls is None or not dataclasses.is_dataclass(cls):
         raise UnsafePickleError(f"{g.module}.{g.name} is not a dataclass in this torch")
@@ -108,7 +108,7 @@ def _call(g: _Global, args: tuple, pos: int):
             raise UnsafePickleError(f"unknown tensor layout {args!r:.80} (at byte {pos})")
         return _LAYOUTS[args[0]]
     if key == (_DCP_META, "_MEM_FORMAT_ENCODING"):
-        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as enc
+        enc = md._MEM_FORMAT_ENCODING
         members = {m.value: m for m in enc}
         if len(args) != 1 or type(args[0]) is not int or args[0] not in members:
             raise UnsafePickleError(f"unknown memory-format encoding {args!r:.80} (at byte {pos})")
@@ -142,7 +142,7 @@ def _build(obj, state, pos: int) -> None:
     if cls.__name__ == "TensorProperties" and isinstance(state, tuple):
         global _MEMORY_FORMATS
         if _MEMORY_FORMATS is None:
-            from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as enc
+            enc = md._MEM_FORMAT_ENCODING
             _MEMORY_FORMATS = {enc.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
                                enc.TORCH_CHANNELS_LAST: torch.channels_last,
                                enc.TORCH_PRESERVE_FORMAT: torch.preserve_format}
