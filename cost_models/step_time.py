@@ -180,7 +180,23 @@ def bubble_microbatches(table, F, B, W) -> np.ndarray:
     return np.where(table.pp > 1, bub, 0.0)
 
 
-def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tuple[np.ndarray, np.ndarray]:
+def layout_facts(table, model) -> dict:
+    """The layout facts `data_parallel` needs (rank parameters, blocks and block mix of the busiest rank)."""
+    return {"rp": rank_params(table, model), "nblocks": layers_per_rank(table, model),
+            "mix": layer_mix(table, model, first=False)}
+
+
+def _broadcast(v, inverse):
+    if isinstance(v, dict):
+        return {k: _broadcast(x, inverse) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return tuple(_broadcast(x, inverse) for x in v)
+    a = np.asarray(v)
+    return a[inverse] if a.ndim else a
+
+
+def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
+                  facts: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(exposed data-parallel communication per step, optimizer-step memory traffic in bytes).
 
     fsdp2 (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.3-3.4; ZeRO-3 volume,
@@ -202,15 +218,16 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st) -> tu
     Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
-    rp = rank_params(table, model)
+    facts = facts or layout_facts(table, model)   # (`facts`: computed once per distinct layout, broadcast)
+    rp = facts["rp"]
     nmb = table.n_microbatches.astype(np.float64)
-    nblocks = layers_per_rank(table, model).astype(np.float64)
+    nblocks = np.asarray(facts["nblocks"]).astype(np.float64)
     ov = coeffs.dp_overlap
     if workload.state_layout == "fsdp2":
         fs, efs, rep = links["fsdp"], links["efsdp"], links["dp_replicate"]
         fsdp_n = table.fsdp_size.astype(np.float64)
         efsdp_n = fsdp_n / table.ep
-        nd, nm = layer_mix(table, model, first=False)
+        nd, nm = facts["mix"]
         nb = np.maximum(nd + nm, 1)
         dense_blk = (nd * rp["dense_block"] + nm * rp["moe_dense_block"]) / nb     # average block
         exp_blk = nm * rp["moe_expert_block"] / nb
@@ -298,7 +315,8 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
-    dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st)
+    dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st,
+                                  facts=_broadcast(layout_facts(sub, model), inverse))
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way
     ppl = links["pp"]
