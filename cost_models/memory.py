@@ -237,6 +237,21 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- the breakdown
+def expert_shard_fraction(table, model) -> np.ndarray:
+    """The fraction of a rank's local experts that one expert-FSDP rank stores.
+
+    FSDP2 shards a parameter along dim 0 in equal chunks of ceil(rows / ranks), padding the last
+    ones; an expert weight's dim 0 is the ep-local expert count, so each of the dp_shard*cp/ep
+    expert-FSDP ranks keeps ceil(E_local / efsdp) experts: with fewer local experts than ranks
+    (mixtral-8x7b at ep 8, efsdp 4: 1 expert) every rank keeps them all (the dry run's exact bytes).
+    """
+    if not model.is_moe:
+        return np.zeros(len(table))
+    local = model.n_experts // table.ep
+    efsdp = np.maximum(table.fsdp_size // table.ep, 1)
+    return -(-local // efsdp) / local
+
+
 def nccl_communicators(table) -> np.ndarray:
     """NCCL communicators a rank initializes: one per process group of more than one rank that runs a
     collective (executor/mesh.py: the mesh axes, the FSDP group dp_shard x cp, the expert groups, the
@@ -284,7 +299,6 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     e = 4.0 if workload.dtype == "fp32" else 2.0
     rp = rank_params(table, model)
     fsdp_group = table.fsdp_size.astype(np.float64)
-    efsdp_group = fsdp_group / table.ep
     accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1)   # pipelining: no grad sync until last
     dense_act, ws_dense = per_layer_activation_bytes(table, model, workload, coeffs, moe=False)
     moe_act, ws_moe = (per_layer_activation_bytes(table, model, workload, coeffs, moe=True)
@@ -310,7 +324,7 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
         dense_p, expert_p, unit = rp[f"{which}_dense"], rp[f"{which}_expert"], rp[f"{which}_unit"]
         local = dense_p + expert_p
         if workload.state_layout == "fsdp2":
-            shard_p = dense_p / fsdp_group + expert_p / efsdp_group
+            shard_p = dense_p / fsdp_group + expert_p * expert_shard_fraction(table, model)
             params = 4.0 * shard_p                                 # fp32 master copy, sharded
             grads = np.where(accumulate_unsharded, 4.0 * local, 4.0 * shard_p)
             optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, _redistribute
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -43,6 +45,17 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
+def _fsdp_unsharded_numel(stages) -> dict[int, int]:
+    """id(FSDP-sharded parameter) -> elements of its unsharded (TP/EP-local) tensor, from FSDP's own record."""
+    out = {}
+    for _, mod in stages:
+        for m in mod.modules():
+            group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+            for fp in (group.fsdp_params if group else ()):
+                out[id(fp.sharded_param)] = math.prod(fp._orig_size)
+    return out
+
+
 def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -56,14 +69,16 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
         trainable = sum(_local_numel(p) for p in params if p.requires_grad)
         # Under a pipeline schedule FSDP skips gradient sync until the last micro-batch
         # (torch.distributed.pipelining's backward_maybe_with_nosync), so each rank holds its
-        # stage's gradients unsharded (fp32) between micro-batches.
-        unsharded_grads = plan.pp > 1 and plan.n_microbatches > 1
-        fsdp_ways = plan.dp_shard * plan.cp
+        # stage's gradients unsharded (fp32) between micro-batches: each parameter at its FSDP-unsharded
+        # (TP/EP-local) size -- expert weights are sharded over dp_shard*cp/ep ranks, not dp_shard*cp.
+        unsharded = _fsdp_unsharded_numel(stages)
+        grad_numel = (sum(unsharded.get(id(p), _local_numel(p)) for p in params if p.requires_grad)
+                      if plan.pp > 1 and plan.n_microbatches > 1 else trainable)
         out: dict[str, Any] = {
             "rank": rank, "stages": [i for i, _ in stages],
             "param_numel": n_local,
             "params_bytes": 4 * n_local,              # fp32 master parameters
-            "grads_bytes": 4 * trainable * (fsdp_ways if unsharded_grads else 1),   # fp32 gradients
+            "grads_bytes": 4 * grad_numel,            # fp32 gradients
             "optimizer_bytes": 8 * trainable,         # AdamW exp_avg + exp_avg_sq, fp32
         }
         out["state_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]

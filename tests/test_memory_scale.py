@@ -1,14 +1,19 @@
 """Memory at production scale (issue 12 item 7) and the GPU-side terms of the hardware presets."""
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import yaml
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import GIB, estimate
+from cost_models.layout import rank_index
 from cost_models.memory import memory_by_rank, nccl_communicators
 from cost_models.specs import (SpecError, Workload, hardware_from_dict, load_hardware, load_model, preset_for_gpu_name,
                                preset_names)
@@ -107,3 +112,28 @@ def test_gpu_presets_state_their_gpu_side_terms():
             assert hw.nccl_buffer_gib == hw.allocator_fragmentation == 0.0
         else:
             assert hw.cuda_context_gib > 0 and hw.nccl_buffer_gib > 0 and 0 < hw.allocator_fragmentation < 0.5, p
+
+
+# --------------------------------------------------------------------------- exact state bytes vs the dry run
+@pytest.mark.parametrize("plan", [
+    # 2 local experts over 2 expert-FSDP ranks; 1 local expert over 2 (FSDP2 pads dim 0: each keeps it whole)
+    Plan(dp_shard=8, ep=4, pp=2, n_microbatches=4, schedule="1F1B"),
+    Plan(dp_shard=16, ep=8, pp=2, n_microbatches=2, schedule="ZBVZeroBubble", stages_per_rank=2),
+])
+def test_state_bytes_per_rank_equal_the_dry_run(tmp_path, plan):
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump({"model": "moe-debug", "workload": {"seq_len": 256, "global_batch": plan.global_batch()},
+                                 "plan": plan.to_dict()}))
+    table = CandidateTable.from_plans([plan])
+    model = load_model("moe-debug")
+    ana = memory_by_rank(table, model, Workload(seq_len=256, global_batch=plan.global_batch()), Coefficients(),
+                         hw=load_hardware("h100-sxm"))
+    per_stage = plan.world_size // plan.pp
+    ranks = {w: int(rank_index(table, model, w)[0]) * per_stage for w in ana}
+    r = subprocess.run([sys.executable, "-m", "executor.dry_run", "--plan", str(f), "--json", "--ranks",
+                        ",".join(str(x) for x in sorted(set(ranks.values())))], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {x["rank"]: x for x in json.loads(r.stdout.strip().splitlines()[-1])["ranks"]}
+    for w, rank in ranks.items():
+        for key in ("params", "grads", "optimizer"):
+            assert ana[w][key][0] == pytest.approx(got[rank][f"{key}_bytes"], rel=1e-3), (w, key)
