@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from search_spaces.typed import InputError, from_mapping
-from search_spaces.yaml_file import read_yaml
+from search_spaces.yaml_file import read_yaml, write_text
 
 
 class CoefficientsError(InputError):
@@ -131,7 +131,8 @@ class Coefficients:
         """Write as YAML; `meta` (provenance, fit residuals, ...) goes next to 'coefficients:'."""
         doc: dict[str, Any] = dict(meta or {})
         doc["coefficients"] = self.to_dict()
-        Path(path).write_text(yaml.safe_dump(doc, sort_keys=False))
+        write_text(path, yaml.safe_dump(doc, sort_keys=False), error=CoefficientsError,
+                   what="calibration file")   # atomic, through a symlink, never over a device
 
     def replace(self, **changes: float) -> "Coefficients":
         return dataclasses.replace(self, **changes)

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from cost_models.specs import hardware_from_dict, load_hardware
+from cost_models.specs import SpecError, hardware_from_dict, load_hardware
+from search_spaces.yaml_file import write_text
 
 RING = {  # op -> (traffic factor of bytes, latency steps) for a group of g ranks
     "all_reduce": (lambda g: 2 * (g - 1) / g, lambda g: 2 * (g - 1)),
@@ -118,6 +119,7 @@ def run_profile(*, nproc: int, out: str, base: str, name: str, quick: bool = Fal
             raise RuntimeError(f"profiler run failed (exit {r.returncode}): {tail}")
         m = json.loads(Path(raw).read_text())
     res = spec_from_measurements(m, base=base, name=name)
-    Path(out).write_text("# Written by `titan-plan profile`.\n" + yaml.safe_dump(res["spec"], sort_keys=False))
+    write_text(out, "# Written by `titan-plan profile`.\n" + yaml.safe_dump(res["spec"], sort_keys=False),
+               error=SpecError, what="hardware spec")   # atomic, through a symlink, never over a device
     res["measurements"] = m
     return res
