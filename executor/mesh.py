@@ -154,13 +154,13 @@ def _expert_meshes(dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
     if not hasattr(dp_shard_cp, "_unflatten"):
         raise ValueError(f"plan key 'ep' > 1 needs DeviceMesh._unflatten, which torch {torch.__version__} "
                          "does not have (use torch >= 2.9)")
-    n = plan.dp_shard * plan.cp
-    assert n % plan.ep == 0, (n, plan.ep)
-    inner = dp_shard_cp._unflatten(0, (n // plan.ep, plan.ep), ("efsdp", "ep"))
+    assert plan.fsdp_size % plan.ep == 0, (plan.fsdp_size, plan.ep)
+    inner = dp_shard_cp._unflatten(0, (plan.expert_fsdp_size, plan.ep), ("efsdp", "ep"))
     ep, efsdp = inner["ep"], inner["efsdp"]
     expert_fsdp = efsdp
     if plan.dp_replicate > 1:
-        full = dp_cp._unflatten(0, (plan.dp_replicate, n // plan.ep, plan.ep), ("dp_replicate", "efsdp", "ep"))
+        full = dp_cp._unflatten(0, (plan.dp_replicate, plan.expert_fsdp_size, plan.ep),
+                                ("dp_replicate", "efsdp", "ep"))
         expert_fsdp = full["dp_replicate", "efsdp"]
     return ep, efsdp, expert_fsdp
 
@@ -169,7 +169,7 @@ def _hsdp_mesh(world: DeviceMesh, dp_cp: DeviceMesh, plan: Plan) -> DeviceMesh:
     """The 2-D (dp_replicate, dp_shard_cp) mesh FSDP2 uses for HSDP."""
     if hasattr(dp_cp, "_unflatten"):
         try:
-            return dp_cp._unflatten(0, (plan.dp_replicate, plan.dp_shard * plan.cp),
+            return dp_cp._unflatten(0, (plan.dp_replicate, plan.fsdp_size),
                                     ("dp_replicate", "dp_shard_cp"))
         except Exception:   # older/newer private API: fall back to slicing by the flattened name
             pass

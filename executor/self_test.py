@@ -113,8 +113,8 @@ def expected_local_shape(fqn: str, shape: torch.Size, plan, meshes, shard_embedd
             s[0] = _chunk_len(s[0], plan.tp, tp_rank)
         elif row:
             s[1] = _chunk_len(s[1], plan.tp, tp_rank)
-    if plan.dp_shard * plan.cp > 1:
-        s[0] = _chunk_len(s[0], plan.dp_shard * plan.cp, meshes.dp_shard_cp.get_local_rank())
+    if plan.fsdp_size > 1:
+        s[0] = _chunk_len(s[0], plan.fsdp_size, meshes.dp_shard_cp.get_local_rank())
     return tuple(s)
 
 

@@ -227,7 +227,7 @@ def train_step(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) -> tuple
     tr.optimizer.zero_grad(set_to_none=True)
     if tr.cfg.spec.is_moe:    # routed-token counts (all ranks), expert-bias update
         plan = tr.cfg.plan
-        tr.moe_stats = collect_step_stats(tr.moe, tr.cfg.spec, tr.device, plan.ep, plan.dp * plan.cp * plan.tp,
+        tr.moe_stats = collect_step_stats(tr.moe, tr.cfg.spec, tr.device, plan.ep, plan.dp_cp * plan.tp,
                                           forwards=plan.n_microbatches)
         if tr.cfg.spec.load_balance_bias:
             update_expert_bias(tr.moe, tr.moe_stats["_counts"], tr.cfg.train.expert_bias_gamma)
@@ -245,7 +245,7 @@ def global_mean_loss(tr: Trainer, local_loss: torch.Tensor) -> torch.Tensor:
         return local_loss
     t = local_loss.detach().clone().float()
     dist.all_reduce(t)
-    return t / (plan.dp * plan.cp * plan.tp)
+    return t / (plan.dp_cp * plan.tp)
 
 
 # --------------------------------------------------------------------------- the loop

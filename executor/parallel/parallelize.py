@@ -67,7 +67,7 @@ def resolve_precision(cfg, *, accelerator: bool) -> Precision:
 
 def uses_fsdp(plan: Plan, precision: Precision) -> bool:
     """FSDP whenever there are data-parallel ranks, and on one rank for bf16 mixed precision."""
-    return plan.dp_replicate * plan.dp_shard * plan.cp > 1 or precision.param_dtype != torch.float32
+    return plan.dp_cp > 1 or precision.param_dtype != torch.float32
 
 
 def tp_shards_embedding(plan: Plan) -> bool:
@@ -141,7 +141,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                    reshard_after_forward=plan.reshard_after_forward,
                    expert_mesh=meshes.expert_fsdp if plan.ep > 1 else None,
-                   expert_divide_factor=plan.dp_replicate * plan.dp_shard * plan.cp)
+                   expert_divide_factor=plan.dp_cp)
     return module
 
 

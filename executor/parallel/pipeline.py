@@ -74,7 +74,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from cost_models.layout import stage_layer_counts
-from search_spaces.plan import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Plan
+from search_spaces.constraints import RUNTIME_RULES
+from search_spaces.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ def split_layers(n_layers: int, n_stages: int) -> list[range]:
 def stage_ids_for_rank(plan: Plan, pp_rank: int) -> list[int]:
     """Stage indices held by pipeline rank ``pp_rank`` (ascending)."""
     pp = plan.pp
-    if plan.schedule in V_SCHEDULES:
+    if plan.is_v_schedule:
         return [pp_rank, 2 * pp - 1 - pp_rank]
-    if plan.schedule in MULTI_STAGE_SCHEDULES:
+    if plan.is_multi_stage:
         return [pp_rank + k * pp for k in range(plan.stages_per_rank)]
     return [pp_rank]
 
@@ -126,30 +127,19 @@ def _build_stage(model: nn.Module, layer_keys: list[str], keep: set[str], first:
 
 
 def microbatch_error(plan: Plan) -> str | None:
-    """Why torch's schedule would reject the plan's micro-batch count, or None.
-
-    Rules of torch.distributed.pipelining (2.11 and 2.14): 1F1B needs
-    n_microbatches >= pp; Interleaved1F1B needs n_microbatches to be a
-    multiple of its rounds, max(1, n_microbatches // pp); DualPipeV needs
-    n_microbatches >= 2*pp stages.  GPipe and ZBVZeroBubble take any count.
-    """
-    n, pp = plan.n_microbatches, plan.pp
-    if plan.schedule == "1F1B" and n < pp:
-        return f"schedule 1F1B needs n_microbatches >= pp ({pp}), got {n}"
-    if plan.schedule == "Interleaved1F1B":
-        rounds = max(1, n // pp)
-        if n % rounds:
-            return (f"schedule Interleaved1F1B needs n_microbatches to be a multiple of max(1, "
-                    f"n_microbatches // pp) = {rounds}, got {n}")
-    if plan.schedule == "DualPipeV" and n < plan.n_stages:
-        return f"schedule DualPipeV needs n_microbatches >= pp*stages_per_rank ({plan.n_stages}), got {n}"
+    """Why torch's schedule would reject the plan's micro-batch count, or None: the runtime rules of
+    ``search_spaces/constraints.py`` (written there once; a default ``Plan`` already satisfies them, a
+    ``Plan(..., runnable=False)`` may not)."""
+    for rule in RUNTIME_RULES:
+        if not rule.ok(plan, None):
+            return rule.plan_message(plan)
     return None
 
 
 def _check_plan(plan: Plan) -> None:
     err = microbatch_error(plan)
     if err:
-        raise ValueError(f"plan key 'n_microbatches': {err}")
+        raise ValueError(err)
 
 
 def pipeline_split(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh) -> list[tuple[int, nn.Module]]:
@@ -359,7 +349,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
     for idx, module in stages:
         module.register_forward_pre_hook(positions, with_kwargs=True)
         pstages.append(stage_cls(module, idx, plan.n_stages, device, group=group, **stage_kwargs))
-    if plan.schedule in MULTI_STAGE_SCHEDULES:
+    if plan.is_multi_stage:
         schedule = cls(pstages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
     else:
         if len(pstages) != 1:
