@@ -9,8 +9,11 @@ A plan file is YAML with the keys that `titan-plan` writes::
     train: {steps: 100, lr: 3e-4, ...}   # optional: `TrainConfig` keys
     predicted: ...  inputs: ...  provenance: ...   # ignored by the executor
 
-Unknown keys inside ``plan`` and ``train`` are errors naming the key; other
-top-level keys are ignored.  ``--set key=value`` overrides any of them:
+Every section is read by the one typed reader (`search_spaces.typed`): an unknown
+key anywhere (a top-level typo such as ``trian:`` too) is an error naming the key
+with a "did you mean"; types, choices and ranges come from the dataclasses
+(`TrainConfig`, `Workload`, `Plan`), and the run config carries its `Workload`.
+``--set key=value`` overrides any of them:
 ``plan.tp=2``, ``train.lr=1e-3``, ``workload.seq_len=128``, ``model=...``, or
 a bare key that belongs to exactly one section (``tp=2``, ``steps=10``).
 Values are parsed as YAML scalars.
@@ -45,7 +48,6 @@ DEFAULT_MODEL = "llama3-debug"
 DEFAULT_SEQ_LEN = 256
 DEFAULT_GLOBAL_BATCH = 8
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))   # what titan-plan writes
-TOP_LEVEL_USED = ("model", "hardware", "workload", "plan", "train")
 
 
 class ConfigError(InputError):
