@@ -346,6 +346,11 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
             # raises the peak (which sits at the forward/backward turn).
             rs_exposed = np.maximum(0.0, rs - dense_act)
             fsdp = np.where(fsdp_applied, gathered + rs_exposed, 0.0)
+            # ... but at the loss turn of each micro-batch the blocks are resharded again (reshard after
+            # forward; the schedule turns off only the reshard after backward): the root's head and one
+            # unit are gathered then, not the stage (dry run, llama3-8b pp 2 fsdp 4, loss rank's peak:
+            # 0.98 GiB unsharded = the LM head, of 7.5 GiB kept gathered in backward)
+            fsdp_at_turn = np.where(fsdp_applied & regather, 2.0 * e * unit, fsdp)
         else:                                                      # Megatron: bf16 params, fp32 main grads
             dp = table.dp_cp.astype(np.float64)
             edp = dp / table.ep
@@ -355,7 +360,7 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
             params = e * (sh if z >= 3 else local)
             grads = 4.0 * (sh if z >= 2 else local)
             optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
-            fsdp = np.zeros(n)
+            fsdp = fsdp_at_turn = np.zeros(n)
         nd, nm = rp[f"{which}_layers"]
         per_mb = nd * dense_act + nm * moe_act
         has_head = rp[f"{which}_has_head"]
@@ -370,7 +375,9 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
         acts = ((infl * per_mb + working_set + pipe["deferred_w"]
                 + np.where(has_head, (head_infl - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
                 + pipe["sends"] * coeffs.pipeline_buffer_memory_scale)
-        logits = np.where(has_head, logits_head - logits_turn, 0.0) + (transient - working_set)
+        # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
+        turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
+        logits = np.where(has_head, logits_head - logits_turn, 0.0) + turn_excess
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp) + nccl
         # With one backward pass over the step's activations (pp == 1 with one micro-batch, or
         # GPipe: all forwards first) the activation peak comes at the forward/backward turn, before

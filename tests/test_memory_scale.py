@@ -137,3 +137,54 @@ def test_state_bytes_per_rank_equal_the_dry_run(tmp_path, plan):
     for w, rank in ranks.items():
         for key in ("params", "grads", "optimizer"):
             assert ana[w][key][0] == pytest.approx(got[rank][f"{key}_bytes"], rel=1e-3), (w, key)
+
+
+# --------------------------------------------------------------------------- the production layouts of issue 12
+def _peak_gib(model, hw, wl, plan):
+    e = estimate(CandidateTable.from_plans([plan]), load_model(model), load_hardware(hw), wl, Coefficients())
+    return e.peak_memory_bytes[0] / GIB, e.capacity_bytes / GIB
+
+
+def test_llama3_405b_table4_fits_under_the_regime_it_trained_in():
+    """Llama 3 405B on 16,384 H100s (TP 8, PP 16, DP 128, 8K, 16M tokens, no recompute; Llama 3 paper
+    Table 4 and Sec. 3.3.2): with Megatron-style TP (sequence-sharded saved inputs, fused kernels,
+    distributed optimizer) it fits; under this executor's eager DTensor TP, which keeps the all-gathered
+    QKV/FFN inputs and the fp32 norm upcasts (the dry run's FakeTensor peak of pp rank 0: 189.6 GiB),
+    it does not -- the not-fit verdict is the regime's, not a term's."""
+    plan = Plan(dp_shard=128, pp=16, tp=8, n_microbatches=16, ac="none")
+    megatron = Workload(seq_len=8192, global_batch=2048, state_layout="megatron", zero=1, selective_ac="attention")
+    peak, usable = _peak_gib("llama3-405b", "h100-sxm", megatron, Plan(**{**plan.to_dict(), "compile": True}))
+    assert peak < usable
+    peak, usable = _peak_gib("llama3-405b", "h100-sxm", Workload(seq_len=8192, global_batch=2048), plan)
+    assert 180 < peak < 200 and peak > usable
+
+
+def test_torchtitan_405b_pp_rows_micro_batch_mapping():
+    """TorchTitan's 405B PP rows (local batch 32, pp 8) run pp = 8 micro-batches of 4 (torchtitan 9dec370's
+    default); read as 32 micro-batches of 1 they are under-predicted by 17-33% (issue 12), as 8 of 4 the
+    in-flight activations are those the schedule really keeps."""
+    wl = Workload(seq_len=8192, global_batch=256, selective_ac="op")
+    kw = dict(dp_shard=8, pp=8, tp=8, ac="full", compile=True, float8=True, schedule="1F1B")
+    four, _ = _peak_gib("llama3-405b", "h100-96g-500w", wl, Plan(microbatch=4, n_microbatches=8, **kw))
+    one, _ = _peak_gib("llama3-405b", "h100-96g-500w", wl, Plan(microbatch=1, n_microbatches=32, **kw))
+    assert abs(four - 82.5) / 82.5 < 0.10 and one < 0.75 * 82.5
+
+
+@pytest.mark.parametrize("plan", [Plan(dp_shard=2, pp=2, n_microbatches=2, ac="full")])
+def test_step_peak_of_both_pipeline_ranks_within_10_percent_of_the_dry_run(tmp_path, plan):
+    """FakeTensor step peak (titan-run --dry-run --memory, tp = 1 where the tracker counts local tensors)
+    of the first and the loss rank against the allocated-bytes model: the loss rank's turn holds the
+    head gathered, not the stage (was +27% on llama3-8b pp 2 at 8K)."""
+    wl = {"seq_len": 8192, "global_batch": plan.global_batch()}
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-8b", "workload": wl, "plan": plan.to_dict()}))
+    per_stage = plan.world_size // plan.pp
+    r = subprocess.run([sys.executable, "-m", "executor.dry_run", "--plan", str(f), "--json", "--memory", "--ranks",
+                        f"0,{per_stage}"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {x["rank"]: x["memory_estimate"]["total"] for x in json.loads(r.stdout.strip().splitlines()[-1])["ranks"]}
+    ana = memory_by_rank(CandidateTable.from_plans([plan]), load_model("llama3-8b"), Workload(**wl), Coefficients(),
+                         caching_allocator=False)
+    for which, rank in (("first", 0), ("last", per_stage)):
+        total = sum(float(v[0]) for v in ana[which].values())
+        assert total == pytest.approx(got[rank], rel=0.10), which
