@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import GIB, estimate  # noqa: E402
+from cost_models.memory import nccl_buffer_bytes  # noqa: E402
 from cost_models.flops import megatron_flops_per_token  # noqa: E402
 from cost_models.specs import PRESET_DIR, Workload, load_hardware, load_model, model_from_dict  # noqa: E402
 from search_spaces.plan import Plan  # noqa: E402
@@ -277,10 +278,13 @@ def build_cases(rows) -> tuple[list[Case], list[tuple[str, str]]]:
 
 def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
     coeffs = (coeffs or Coefficients()).replace(**case.flags)
-    est = estimate(CandidateTable.from_plans([case.plan]), case.model, case.hw, case.workload, coeffs)
+    est_table = CandidateTable.from_plans([case.plan])
+    est = estimate(est_table, case.model, case.hw, case.workload, coeffs)
     m = {k: float(v[0]) for k, v in est.memory.items()}
     return {"tokens_per_s_per_gpu": float(est.tokens_per_s_per_gpu[0]),
-            "peak_mem_gib": float(est.peak_memory_bytes[0]) / GIB, "fits": bool(est.fits[0]),
+            # published peaks are torch.cuda.max_memory_reserved, which NCCL's buffers are not part of
+            "peak_mem_gib": float(est.peak_memory_bytes[0] - nccl_buffer_bytes(est_table, case.hw)[0]) / GIB,
+            "fits": bool(est.fits[0]),
             "capacity_gib": float(est.capacity_bytes) / GIB,
             "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
             "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0])}

@@ -266,6 +266,15 @@ def nccl_communicators(table) -> np.ndarray:
     return sum(g.astype(np.int64) for g in groups) + np.where(axes > 1, one, 0)
 
 
+def nccl_buffer_bytes(table, hw) -> np.ndarray:
+    """Bytes of NCCL buffers per rank: ``hw.nccl_buffer_gib`` per communicator (none on CPU, gloo).
+    They are allocated outside PyTorch's caching allocator, so torch.cuda.max_memory_reserved (the peak
+    TorchTitan and Megatron report) does not include them; the device must hold them."""
+    if hw.device == "cpu":
+        return np.zeros(len(table))
+    return hw.nccl_buffer_gib * 2.0 ** 30 * nccl_communicators(table)
+
+
 def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool = True,
                      hw=None) -> dict[str, np.ndarray]:
     """Per-rank bytes by category for the worst pipeline rank (`memory_by_rank`'s heaviest)."""
@@ -289,7 +298,7 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     if hw is not None:
         caching_allocator = hw.device != "cpu"
         frag = hw.allocator_fragmentation
-        nccl = np.where(hw.device == "cpu", 0.0, hw.nccl_buffer_gib * 2.0 ** 30 * nccl_communicators(table))
+        nccl = nccl_buffer_bytes(table, hw)
     else:
         frag = coeffs.allocator_fragmentation if caching_allocator else 0.0
         nccl = np.zeros(n)
