@@ -61,8 +61,8 @@ def test_band_is_the_share_weighted_sum_of_term_spreads():
 def test_uncovered_terms_and_regimes_are_flagged_and_fall_back_to_the_widest_spread():
     sp = _spreads()
     model, hw, wl = load_model("llama3-405b"), load_hardware("h100-sxm"), Workload(seq_len=8192, global_batch=32)
-    t = CandidateTable.concat([_table(pp=4, dp_shard=2, schedule="DualPipeV", stages_per_rank=2, ac="none", n_microbatches=8),
-                               _table()])
+    dual = _table(pp=4, dp_shard=2, schedule="DualPipeV", stages_per_rank=2, ac="none", n_microbatches=8)
+    t = CandidateTable.concat([dual, _table()])
     time = {"compute": np.array([8.0, 8.0]), "ep_comm": np.array([2.0, 0.0])}
     mem = {"params": np.array([1.0, 1.0])}
     b = bands(t, model, hw, wl, time, mem, sp)
