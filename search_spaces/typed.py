@@ -28,7 +28,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping as AbcMapping, Sequence as AbcSequence
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, Mapping, TypeVar, Union
 
 INT_LIMIT = 2 ** 53          # larger integers are refused: the cost models compute in float64 (exact up to 2**53)
 MAX_WORLD_SIZE = 2 ** 20     # 1,048,576 devices: the most a plan, --gpus or --world may ask for
