@@ -20,6 +20,7 @@ model's names).  A failing rank writes ``<out>.rank<r>.err`` and exits at once,
 so torchrun stops the others instead of leaving them hanging in P2P.
 
 Usage: torchrun --standalone --nproc_per_node N _pp_cp_worker.py --case pp --out r.json
+(the tests start it with tests/distributed/harness.py: launch_worker).
 """
 from __future__ import annotations
 
@@ -485,34 +486,3 @@ def main():
 if __name__ == "__main__":
     main()
 
-
-# --------------------------------------------------------------------------- launcher (used by the tests)
-def launch(nproc: int, *worker_args: str, timeout: int = 900) -> dict:
-    """Run this worker under torchrun with ``nproc`` gloo processes; return rank 0's JSON report.
-
-    More than 4 processes run under ``flock /tmp/titan_heavy.lock`` (shared 2-core machine).
-    """
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.abspath(__file__), *worker_args, "--out", out]
-        if nproc > 4:
-            cmd = ["flock", "/tmp/titan_heavy.lock"] + cmd
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-        errs = sorted(f for f in os.listdir(tmp) if ".err" in f)
-        if errs:
-            with open(os.path.join(tmp, errs[0])) as f:
-                raise AssertionError(f"worker {' '.join(worker_args)}: {errs[0]}:\n{f.read()}")
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise AssertionError(f"worker {' '.join(worker_args)} failed (rc {proc.returncode}):\n"
-                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        with open(out) as f:
-            report = json.load(f)
-    if "error" in report:
-        raise AssertionError(f"worker {' '.join(worker_args)} raised:\n{report['error']}")
-    return report

@@ -17,7 +17,7 @@ import yaml
 
 from executor.elastic import replan
 from search_spaces.plan import Plan
-from tests.distributed.harness import DEFAULT_TRAIN, ROOT, _heavy_lock, env, titan_run_cmd
+from tests.distributed.harness import ROOT, assert_close_per_step, env, run_titan, titan_run_cmd
 
 pytestmark = pytest.mark.distributed
 STEPS = 5
@@ -25,34 +25,15 @@ STEPS = 5
 
 def titan_run(tmp: Path, name: str, plan: Plan, *, train: dict | None = None, args=(), extra_env=None,
               expect_ok: bool = True, model: str = "llama3-debug"):
-    """Run titan-run; returns (process, run dir, rank-0 record {losses, first_step})."""
-    run_dir = tmp / name
-    plan_file = tmp / f"{name}.yaml"
-    plan_file.write_text(yaml.safe_dump({
-        "model": model, "workload": {"seq_len": 64, "global_batch": 4}, "plan": plan.to_dict(),
-        "train": {**DEFAULT_TRAIN, "steps": STEPS, **(train or {})}}))
-    e = env()
-    e.update(extra_env or {})
-    with _heavy_lock(plan.world_size > 4):
-        p = subprocess.run(titan_run_cmd("--plan", str(plan_file), "--run-dir", str(run_dir), *args), cwd=ROOT,
-                           env=e, capture_output=True, text=True, timeout=300)
-    if expect_ok:
-        assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    rec = None
-    f = run_dir / "ranks" / "rank0.json"
-    if f.exists():
-        rec = json.loads(f.read_text())
-    return p, run_dir, rec
+    """Run titan-run (harness.run_titan) in ``tmp/name``; returns (process, run dir, rank-0 record
+    {losses, first_step} or None)."""
+    run = run_titan(plan, model=model, seq_len=64, global_batch=4, steps=STEPS, train=train, args=tuple(args),
+                    extra_env=extra_env, run_dir=tmp / name, expect_ok=expect_ok, timeout=300)
+    return run.proc, run.run_dir, run.ranks.get(0)
 
 
 def metrics_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def close(got: list[float], want: list[float], rtol: float) -> None:
-    assert len(got) == len(want), (got, want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= rtol * abs(w), f"loss {i}: {g!r} vs {w!r} (rel {abs(g - w) / abs(w):.2e})"
 
 
 FSDP2 = Plan(dp_shard=2, microbatch=2)
@@ -73,14 +54,14 @@ def test_exact_resume_same_layout(base2):
     tmp, run_dir, want = base2
     _, _, rec = titan_run(tmp, "exact", FSDP2, args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
     assert rec["first_step"] == 3
-    close(rec["losses"], want[2:], 1e-6)
+    assert_close_per_step(rec["losses"], want[2:], 1e-6)
 
 
 def test_resume_onto_tensor_parallel(base2):
     tmp, run_dir, want = base2
     _, _, rec = titan_run(tmp, "tp", Plan(tp=2, microbatch=4),
                           args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
-    close(rec["losses"], want[2:], 1e-5)
+    assert_close_per_step(rec["losses"], want[2:], 1e-5)
 
 
 def test_sigkill_one_rank_elastic_restart_resumes_from_latest(base2):
@@ -92,7 +73,7 @@ def test_sigkill_one_rank_elastic_restart_resumes_from_latest(base2):
     assert "elastic restart 1" in p.stderr, p.stderr[-3000:]
     first = 2 * ((step - 1) // 2) + 1   # resumed after the newest checkpoint saved before the kill (every 2 steps)
     assert rec["first_step"] == first, (step, rec)
-    close(rec["losses"], want[first - 1:], 1e-6)           # the final loss equals the uninterrupted run's
+    assert_close_per_step(rec["losses"], want[first - 1:], 1e-6)    # the final loss equals the uninterrupted run's
     assert metrics_steps(run_dir) == list(range(1, STEPS + 1))     # kept up to the checkpoint, appended after
 
 
@@ -112,7 +93,7 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(base2, use_async):
     assert not (ck / "step-000004.tmp" / "COMPLETE").exists() and (ck / "step-000002" / "COMPLETE").is_file()
     _, _, rec = titan_run(tmp, name, FSDP2, train=train, args=("--resume", "latest"))
     assert rec["first_step"] == 3
-    close(rec["losses"], want[2:], 1e-6)
+    assert_close_per_step(rec["losses"], want[2:], 1e-6)
     assert not (ck / "step-000004.tmp").exists() and (ck / "step-000005").is_dir()
     assert metrics_steps(run_dir) == list(range(1, STEPS + 1))
 
@@ -125,7 +106,7 @@ def test_async_saves_are_exact_and_a_later_one_resumes_in_the_same_run_dir(base2
     tmp, _, want = base2
     train = {"checkpoint_every": 2, "async_checkpoint": True, "keep_checkpoints": 0}
     _, run_dir, rec = titan_run(tmp, "async", FSDP2, train=train)
-    close(rec["losses"], want, 1e-6)
+    assert_close_per_step(rec["losses"], want, 1e-6)
     ck = run_dir / "checkpoints"
     assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step-000002", "step-000004", "step-000005"]
     events = [json.loads(line) for line in (run_dir / "checkpoint_events.jsonl").read_text().splitlines()]
@@ -133,7 +114,7 @@ def test_async_saves_are_exact_and_a_later_one_resumes_in_the_same_run_dir(base2
     assert all(e["async"] for e in events if e["event"] == "save")
     _, _, rec = titan_run(tmp, "async", FSDP2, train=train, args=("--resume", str(ck / "step-000004")))
     assert rec["first_step"] == 5
-    close(rec["losses"], want[4:], 1e-6)
+    assert_close_per_step(rec["losses"], want[4:], 1e-6)
     assert metrics_steps(run_dir) == list(range(1, STEPS + 1))
 
 
@@ -152,7 +133,7 @@ def test_corrupted_latest_checkpoints_are_skipped_with_a_warning(base2):
     assert "warning: skipping checkpoint" in p.stderr and "step-000005: file" in p.stderr and "truncated" in p.stderr
     assert "step-000004: file" in p.stderr and "sha256" in p.stderr
     assert rec["first_step"] == 3
-    close(rec["losses"], want[2:], 1e-6)
+    assert_close_per_step(rec["losses"], want[2:], 1e-6)
 
 
 def test_checkpoint_of_another_model_is_refused(base2, tmp_path):
@@ -198,7 +179,7 @@ def test_pipeline_2_to_pipeline_1(tmp_path):
     pp2 = Plan(pp=2, microbatch=2, n_microbatches=2)
     _, run_dir, base = titan_run(tmp_path, "pp2", pp2, train={"checkpoint_every": 2})
     _, _, rec = titan_run(tmp_path, "pp1", FSDP2, args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
-    close(rec["losses"], base["losses"][2:], 1e-5)
+    assert_close_per_step(rec["losses"], base["losses"][2:], 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +196,7 @@ def test_fsdp4_to_fsdp2_x_tp2(base4):
     tmp, run_dir, want = base4
     _, _, rec = titan_run(tmp, "fsdp2tp2", Plan(dp_shard=2, tp=2, microbatch=2),
                           args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
-    close(rec["losses"], want[2:], 1e-5)
+    assert_close_per_step(rec["losses"], want[2:], 1e-5)
 
 
 @pytest.mark.slow
@@ -225,7 +206,7 @@ def test_world4_checkpoint_continues_on_world2_with_the_replanned_layout(base4):
     assert (plan.dp_shard, plan.n_microbatches, plan.global_batch()) == (2, 2, 4)
     _, _, rec = titan_run(tmp, "world2", plan, args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
     assert rec["first_step"] == 3
-    close(rec["losses"], want[2:], 1e-5)
+    assert_close_per_step(rec["losses"], want[2:], 1e-5)
 
 
 def _ep_integrated() -> str | None:
@@ -247,4 +228,4 @@ def test_expert_parallel_2_to_1(tmp_path):
     _, run_dir, base = titan_run(tmp_path, "ep2", ep2, model="moe-debug", train={"checkpoint_every": 2})
     _, _, rec = titan_run(tmp_path, "ep1", FSDP2, model="moe-debug",
                           args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
-    close(rec["losses"], base["losses"][2:], 1e-5)
+    assert_close_per_step(rec["losses"], base["losses"][2:], 1e-5)

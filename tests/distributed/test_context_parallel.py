@@ -1,9 +1,7 @@
 """Context parallel: ring attention and CP training vs single-process runs (real gloo processes)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +9,7 @@ import torch.nn.functional as F
 
 from executor.parallel.context_parallel import head_tail_indices
 from executor.parallel.ring_attention import choose_kernel, make_kernel
-from tests.distributed.harness import check_worker_run
-
-
-def _worker():
-    path = Path(__file__).with_name("_pp_cp_worker.py")
-    spec = importlib.util.spec_from_file_location("_pp_cp_worker", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.distributed.harness import check_worker_run, launch_worker
 
 
 # --------------------------------------------------------------------------- in-process units
@@ -77,11 +67,6 @@ def test_kernel_choice():
 
 
 # --------------------------------------------------------------------------- multi-process
-@pytest.fixture(scope="module")
-def worker():
-    return _worker()
-
-
 def _check_ring(report):
     assert report["meta_ok"], "ring attention on meta tensors"
     assert report["cases"]
@@ -96,25 +81,25 @@ def _check_ring(report):
 
 
 @pytest.mark.distributed
-def test_ring_attention_cp2(worker):
-    _check_ring(worker.launch(2, "--case", "ring"))
+def test_ring_attention_cp2():
+    _check_ring(launch_worker("_pp_cp_worker.py", 2, "--case", "ring"))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ring_attention_cp4(worker):
-    _check_ring(worker.launch(4, "--case", "ring"))
+def test_ring_attention_cp4():
+    _check_ring(launch_worker("_pp_cp_worker.py", 4, "--case", "ring"))
 
 
 @pytest.mark.distributed
-def test_cp2_training_matches_single_process(worker):
-    report = worker.launch(2, "--case", "cp")
+def test_cp2_training_matches_single_process():
+    report = launch_worker("_pp_cp_worker.py", 2, "--case", "cp")
     check_worker_run(report["runs"]["cp"], report["ref_losses"])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_cp2_training_with_per_block_compile(worker):
+def test_cp2_training_with_per_block_compile():
     """Per-block torch.compile with the ring excluded (torch.compiler.disable): no deadlock, same losses."""
-    report = worker.launch(2, "--case", "cp", "--model", "tiny", "--compile")
+    report = launch_worker("_pp_cp_worker.py", 2, "--case", "cp", "--model", "tiny", "--compile")
     check_worker_run(report["runs"]["cp"], report["ref_losses"])

@@ -1,9 +1,7 @@
 """Pipeline parallel: stage split, and every schedule vs a single-process run (real gloo processes)."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from cost_models.specs import load_model
 from executor.models.llama import Transformer
 from executor.parallel.pipeline import schedule_class, split_for_rank, split_layers, stage_ids_for_rank
 from search_spaces.plan import Plan
-from tests.distributed.harness import check_worker_run
+from tests.distributed.harness import check_worker_run, launch_worker
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
 
@@ -88,11 +86,7 @@ def test_unknown_schedule_error_names_torch_version():
 # --------------------------------------------------------------------------- multi-process
 @pytest.fixture(scope="module")
 def pp2_report():
-    path = Path(__file__).with_name("_pp_cp_worker.py")
-    spec = importlib.util.spec_from_file_location("_pp_cp_worker", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.launch(2, "--case", "pp", "--schedules", ",".join(SCHEDULES))
+    return launch_worker("_pp_cp_worker.py", 2, "--case", "pp", "--schedules", ",".join(SCHEDULES))
 
 
 @pytest.mark.distributed
@@ -107,11 +101,7 @@ def test_pp2_schedule_matches_single_process(pp2_report, schedule):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_pp2_cp2_matches_single_process(schedule):
-    path = Path(__file__).with_name("_pp_cp_worker.py")
-    spec = importlib.util.spec_from_file_location("_pp_cp_worker", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    report = mod.launch(4, "--case", "pp_cp", "--schedules", schedule)
+    report = launch_worker("_pp_cp_worker.py", 4, "--case", "pp_cp", "--schedules", schedule)
     check_worker_run(report["runs"][f"pp_cp_{schedule}"], report["ref_losses"])
 
 
@@ -125,11 +115,8 @@ def test_pp2_cp2_matches_single_process(schedule):
 ])
 def test_pp2_with_fsdp_tp_cp(layout):
     """PP with FSDP / TP+SP / CP+AC in the standalone worker (test-local TP/FSDP, this repo's PP/CP)."""
-    path = Path(__file__).with_name("_pp_cp_worker.py")
-    spec = importlib.util.spec_from_file_location("_pp_cp_worker", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     schedule, *rest = layout.split()
-    report = mod.launch(4, "--case", "mix", "--model", "tiny", "--schedules", schedule, *rest)
+    report = launch_worker("_pp_cp_worker.py", 4, "--case", "mix", "--model", "tiny", "--schedules", schedule,
+                           *rest)
     (run,) = report["runs"].values()
     check_worker_run(run, report["ref_losses"])
