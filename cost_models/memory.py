@@ -12,7 +12,7 @@ import numpy as np
 from search_spaces.plan import AC_MODES
 
 from .flops import COL, ROW, attention_dims, layer_matmuls
-from .layout import (RANKS, in_flight_microbatches, in_flight_on_rank, layer_mix, layers_per_rank,  # noqa: F401
+from .layout import (RANKS, in_flight_microbatches, in_flight_on_rank, layers_per_rank,  # noqa: F401
                      rank_index, rank_params)
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
