@@ -284,7 +284,7 @@ def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
     return {"tokens_per_s_per_gpu": float(est.tokens_per_s_per_gpu[0]),
             # published peaks are torch.cuda.max_memory_reserved, which NCCL's buffers are not part of
             "peak_mem_gib": float(est.peak_memory_bytes[0] - nccl_buffer_bytes(est_table, case.hw)[0]) / GIB,
-            "fits": bool(est.fits[0]),
+            "fits": bool(est.fits[0]), "device_peak_gib": float(est.peak_memory_bytes[0]) / GIB,
             "capacity_gib": float(est.capacity_bytes) / GIB,
             "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
             "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0])}
@@ -322,7 +322,7 @@ def fit_check(cases, coeffs: Coefficients | None = None) -> dict:
         n += 1
         p = predict(c, coeffs)
         if not p["fits"]:
-            misses.append((c.id, p["peak_mem_gib"], p["capacity_gib"]))
+            misses.append((c.id, p["device_peak_gib"], p["capacity_gib"]))
     return {"n": n, "misses": misses}
 
 
