@@ -167,175 +167,177 @@ def _build(obj, state, pos: int) -> None:
                 object.__setattr__(obj, name, f.default_factory())
 
 
-_DATA_OPS = {"NONE": lambda a: None, "NEWTRUE": lambda a: True, "NEWFALSE": lambda a: False}
-_ARG_OPS = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "FLOAT", "UNICODE", "BINUNICODE",
-            "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BINSTRING",
-            "SHORT_BINSTRING", "STRING"}
-_FRAMING = {"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
+_CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
+_VALUE_OPS = {"INT", "LONG", "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "FLOAT", "UNICODE",
+              "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
+              "BINSTRING", "SHORT_BINSTRING", "STRING"}
+_PARSE_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError, UnicodeDecodeError, EOFError,
+                 MemoryError, RecursionError)     # pickletools' own parse errors, unhashable keys
+
+
+class _Machine:
+    """The stack machine: one method per family of allowed opcodes (:data:`_HANDLERS`)."""
+
+    def __init__(self) -> None:
+        self.stack: list = []
+        self.marks: list[int] = []
+        self.memo: dict = {}
+        self.items = 0
+
+    # -- stack helpers
+    def need(self, n: int = 1) -> None:
+        if len(self.stack) - (self.marks[-1] if self.marks else 0) < n:
+            raise UnsafePickleError("stack underflow")
+
+    def take(self, n: int, below: int = 0) -> list:
+        """Pop the top `n` items, checking that `below` more (the container they go into) exist."""
+        self.need(n + below)
+        out = self.stack[-n:]
+        del self.stack[-n:]
+        return out
+
+    def pop_mark(self) -> list:
+        if not self.marks:
+            raise UnsafePickleError("MARK expected")
+        start = self.marks.pop()
+        out = self.stack[start:]
+        del self.stack[start:]
+        return out
+
+    def count(self, n: int) -> None:
+        self.items += n
+        if self.items > MAX_ITEMS:
+            raise UnsafePickleError(f"more than {MAX_ITEMS} container items")
+
+    def target(self, kind, op: str, pos: int):
+        self.need()
+        if type(self.stack[-1]) is not kind and not (kind is dict and isinstance(self.stack[-1], dict)):
+            raise UnsafePickleError(f"{op} on a {type(self.stack[-1]).__name__} (at byte {pos})")
+        return self.stack[-1]
+
+    # -- opcode families
+    def framing(self, op: str, arg, pos: int) -> None:
+        if op == "PROTO" and arg > 5:
+            raise UnsafePickleError(f"pickle protocol {arg} is not supported")
+        if op in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+            self.need()
+            self.memo[len(self.memo) if op == "MEMOIZE" else int(arg)] = self.stack[-1]
+
+    def get(self, op: str, arg, pos: int) -> None:
+        if int(arg) not in self.memo:
+            raise UnsafePickleError(f"memo key {arg} not defined (at byte {pos})")
+        self.stack.append(self.memo[int(arg)])
+
+    def value(self, op: str, arg, pos: int) -> None:
+        if isinstance(arg, int) and arg.bit_length() > 4 * MAX_INT_DIGITS:
+            raise UnsafePickleError("integer too long")
+        self.stack.append(_CONSTANTS[op] if op in _CONSTANTS else arg)
+
+    def marker(self, op: str, arg, pos: int) -> None:
+        if op == "MARK":
+            self.marks.append(len(self.stack))
+        elif op == "POP":
+            self.take(1)
+        elif op == "POP_MARK":
+            self.pop_mark()
+        else:                                           # DUP
+            self.need()
+            self.stack.append(self.stack[-1])
+
+    def container(self, op: str, arg, pos: int) -> None:
+        st = self.stack
+        if op in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            st.append(tuple(_plain(v, "a tuple item") for v in self.take(int(op[-1]))))
+        elif op == "TUPLE":
+            st.append(tuple(_plain(v, "a tuple item") for v in self.pop_mark()))
+        elif op in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
+            st.append({"EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}[op]())
+        elif op == "LIST":
+            st.append([_plain(v, "a list item") for v in self.pop_mark()])
+        elif op == "DICT":
+            vals = self.pop_mark()
+            st.append(_pairs({}, vals, pos))
+            self.count(len(vals))
+        elif op == "FROZENSET":
+            st.append(frozenset(_plain(v, "a set item") for v in self.pop_mark()))
+        elif op in ("APPEND", "APPENDS"):
+            vals = self.pop_mark() if op == "APPENDS" else self.take(1, below=1)
+            self.target(list, op, pos).extend(_plain(v, "a list item") for v in vals)
+            self.count(len(vals))
+        elif op in ("SETITEM", "SETITEMS"):
+            vals = self.pop_mark() if op == "SETITEMS" else self.take(2, below=1)
+            _pairs(self.target(dict, op, pos), vals, pos)
+            self.count(len(vals))
+        else:                                           # ADDITEMS
+            vals = self.pop_mark()
+            self.target(set, op, pos).update(_plain(v, "a set item") for v in vals)
+            self.count(len(vals))
+
+    def global_(self, op: str, arg, pos: int) -> None:
+        if op == "GLOBAL":
+            module, _, qual = arg.partition(" ")
+        else:
+            module, qual = self.take(2)
+            if type(module) is not str or type(qual) is not str:
+                raise UnsafePickleError(f"STACK_GLOBAL needs two strings (at byte {pos})")
+        if (module, qual) not in ALLOWED:
+            raise UnsafePickleError(f"global {module}.{qual} is not allowed (at byte {pos})"[:300])
+        # a dtype is pickled as the global itself: it is a value, never something to call
+        self.stack.append(_DTYPES[qual] if module == "torch" and qual in _DTYPES else _Global(module, qual))
+
+    def construct(self, op: str, arg, pos: int) -> None:
+        if op == "REDUCE":
+            fn, args = self.take(2)
+            if not isinstance(fn, _Global) or type(args) is not tuple:
+                raise UnsafePickleError(f"REDUCE of a {type(fn).__name__} is not allowed (at byte {pos})")
+            self.stack.append(_call(fn, tuple(_plain(a, "an argument") for a in args), pos))
+        elif op == "NEWOBJ":
+            cls, args = self.take(2)
+            if not isinstance(cls, _Global) or (cls.module, cls.name) not in _DATACLASSES or args != ():
+                raise UnsafePickleError(f"NEWOBJ of {cls!r:.80} is not allowed (at byte {pos})")
+            self.stack.append(object.__new__(_dataclass(cls)))
+        else:                                           # BUILD
+            self.need(2)
+            state = self.stack.pop()
+            _build(self.stack[-1], state, pos)
+
+    def result(self):
+        if len(self.stack) != 1 or self.marks:
+            raise UnsafePickleError(f"malformed pickle: STOP with a stack of {len(self.stack)} items")
+        if isinstance(self.stack[0], _Global):
+            raise UnsafePickleError("the pickle's value is a bare global")
+        return self.stack[0]
+
+
+_HANDLERS = {
+    **{op: _Machine.framing for op in ("PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT")},
+    **{op: _Machine.get for op in ("GET", "BINGET", "LONG_BINGET")},
+    **{op: _Machine.value for op in _VALUE_OPS | set(_CONSTANTS)},
+    **{op: _Machine.marker for op in ("MARK", "POP", "POP_MARK", "DUP")},
+    **{op: _Machine.container for op in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "LIST", "APPEND",
+                                          "APPENDS", "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS", "EMPTY_SET",
+                                          "ADDITEMS", "FROZENSET")},
+    **{op: _Machine.global_ for op in ("GLOBAL", "STACK_GLOBAL")},
+    **{op: _Machine.construct for op in ("REDUCE", "NEWOBJ", "BUILD")},
+}
 
 
 def loads(data: bytes):
     """Decode a DCP metadata pickle without calling anything the stream names."""
     if len(data) > MAX_BYTES:
         raise UnsafePickleError(f"metadata of {len(data)} bytes exceeds the {MAX_BYTES} byte limit")
-    stack: list = []
-    marks: list[int] = []
-    memo: dict = {}
-    items = 0
-
-    def pop_mark() -> list:
-        if not marks:
-            raise UnsafePickleError("MARK expected")
-        start = marks.pop()
-        out = stack[start:]
-        del stack[start:]
-        return out
-
-    def top(n: int = 1):
-        if len(stack) - (marks[-1] if marks else 0) < n:
-            raise UnsafePickleError("stack underflow")
-
+    machine = _Machine()
     try:
-        ops = pickletools.genops(data)
-        for op, arg, pos in ops:
-            name = op.name
-            if name in _FRAMING:
-                if name == "PROTO" and arg > 5:
-                    raise UnsafePickleError(f"pickle protocol {arg} is not supported")
-                if name == "MEMOIZE":
-                    top()
-                    memo[len(memo)] = stack[-1]
-                elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                    top()
-                    memo[int(arg)] = stack[-1]
-                continue
-            if name in ("GET", "BINGET", "LONG_BINGET"):
-                if int(arg) not in memo:
-                    raise UnsafePickleError(f"memo key {arg} not defined (at byte {pos})")
-                stack.append(memo[int(arg)])
-            elif name in _DATA_OPS:
-                stack.append(_DATA_OPS[name](arg))
-            elif name == "INT":           # protocol 0: also True/False as "01"/"00"
-                if isinstance(arg, int) and len(str(abs(arg))) > MAX_INT_DIGITS:
-                    raise UnsafePickleError("integer too long")
-                stack.append(arg)
-            elif name == "LONG":
-                stack.append(arg)
-            elif name in _ARG_OPS:
-                if name in ("LONG1", "LONG4") and arg.bit_length() > 4 * MAX_INT_DIGITS:
-                    raise UnsafePickleError("integer too long")
-                stack.append(arg)
-            elif name == "MARK":
-                marks.append(len(stack))
-            elif name == "POP":
-                top()
-                stack.pop()
-            elif name == "POP_MARK":
-                pop_mark()
-            elif name == "DUP":
-                top()
-                stack.append(stack[-1])
-            elif name == "EMPTY_TUPLE":
-                stack.append(())
-            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                n = int(name[-1])
-                top(n)
-                vals = tuple(_plain(v, "a tuple item") for v in stack[-n:])
-                del stack[-n:]
-                stack.append(vals)
-            elif name == "TUPLE":
-                stack.append(tuple(_plain(v, "a tuple item") for v in pop_mark()))
-            elif name == "EMPTY_LIST":
-                stack.append([])
-            elif name == "LIST":
-                stack.append(pop_mark())
-            elif name in ("APPEND", "APPENDS"):
-                if name == "APPENDS":
-                    vals = pop_mark()
-                else:
-                    top(2)
-                    vals = [stack.pop()]
-                top()
-                if type(stack[-1]) is not list:
-                    raise UnsafePickleError(f"{name} to a {type(stack[-1]).__name__} (at byte {pos})")
-                stack[-1].extend(_plain(v, "a list item") for v in vals)
-                items += len(vals)
-            elif name == "EMPTY_DICT":
-                stack.append({})
-            elif name == "DICT":
-                vals = pop_mark()
-                stack.append(_pairs({}, vals, pos))
-                items += len(vals)
-            elif name in ("SETITEM", "SETITEMS"):
-                if name == "SETITEMS":
-                    vals = pop_mark()
-                else:
-                    top(3)
-                    vals = stack[-2:]
-                    del stack[-2:]
-                top()
-                if not isinstance(stack[-1], dict):
-                    raise UnsafePickleError(f"{name} on a {type(stack[-1]).__name__} (at byte {pos})")
-                _pairs(stack[-1], vals, pos)
-                items += len(vals)
-            elif name == "EMPTY_SET":
-                stack.append(set())
-            elif name == "ADDITEMS":
-                vals = pop_mark()
-                top()
-                if type(stack[-1]) is not set:
-                    raise UnsafePickleError(f"ADDITEMS to a {type(stack[-1]).__name__} (at byte {pos})")
-                stack[-1].update(_plain(v, "a set item") for v in vals)
-                items += len(vals)
-            elif name == "FROZENSET":
-                stack.append(frozenset(_plain(v, "a set item") for v in pop_mark()))
-            elif name in ("GLOBAL", "STACK_GLOBAL"):
-                if name == "GLOBAL":
-                    module, _, qual = arg.partition(" ")
-                else:
-                    top(2)
-                    module, qual = stack[-2], stack[-1]
-                    del stack[-2:]
-                    if type(module) is not str or type(qual) is not str:
-                        raise UnsafePickleError(f"STACK_GLOBAL needs two strings (at byte {pos})")
-                if (module, qual) not in ALLOWED:
-                    raise UnsafePickleError(f"global {module}.{qual} is not allowed (at byte {pos})"[:300])
-                # a dtype is pickled as the global itself: it is a value, never something to call
-                stack.append(_DTYPES[qual] if module == "torch" and qual in _DTYPES else _Global(module, qual))
-            elif name == "REDUCE":
-                top(2)
-                fn, args = stack[-2], stack[-1]
-                del stack[-2:]
-                if not isinstance(fn, _Global) or type(args) is not tuple:
-                    raise UnsafePickleError(f"REDUCE of a {type(fn).__name__} is not allowed (at byte {pos})")
-                stack.append(_call(fn, tuple(_plain(a, "an argument") for a in args), pos))
-            elif name == "NEWOBJ":
-                top(2)
-                cls, args = stack[-2], stack[-1]
-                del stack[-2:]
-                if not isinstance(cls, _Global) or (cls.module, cls.name) not in _DATACLASSES or args != ():
-                    raise UnsafePickleError(f"NEWOBJ of {cls!r:.80} is not allowed (at byte {pos})")
-                stack.append(object.__new__(_dataclass(cls)))
-            elif name == "BUILD":
-                top(2)
-                state = stack.pop()
-                _build(stack[-1], state, pos)
-            elif name == "STOP":
-                if len(stack) != 1 or marks:
-                    raise UnsafePickleError("malformed pickle: STOP with a stack of "
-                                            f"{len(stack)} items")
-                result = stack[0]
-                if isinstance(result, _Global):
-                    raise UnsafePickleError("the pickle's value is a bare global")
-                return result
-            else:
-                raise UnsafePickleError(f"pickle opcode {name} is not allowed (at byte {pos})")
-            if items > MAX_ITEMS:
-                raise UnsafePickleError(f"more than {MAX_ITEMS} container items")
+        for op, arg, pos in pickletools.genops(data):
+            if op.name == "STOP":
+                return machine.result()
+            handler = _HANDLERS.get(op.name)
+            if handler is None:
+                raise UnsafePickleError(f"pickle opcode {op.name} is not allowed (at byte {pos})")
+            handler(machine, op.name, arg, pos)
     except UnsafePickleError:
         raise
-    except (ValueError, TypeError, IndexError, KeyError, OverflowError, UnicodeDecodeError, EOFError,
-            MemoryError, RecursionError) as e:     # pickletools' own parse errors, unhashable keys
+    except _PARSE_ERRORS as e:
         raise UnsafePickleError(f"malformed pickle: {type(e).__name__}: {str(e)[:200]}") from None
     raise UnsafePickleError("malformed pickle: no STOP opcode")
 

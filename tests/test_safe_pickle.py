@@ -164,3 +164,16 @@ def test_malformed_and_oversized_streams_are_refused():
     big = b"\x80\x04L" + b"9" * 5000 + b"L\n."
     with pytest.raises(safe_pickle.UnsafePickleError):
         safe_pickle.loads(big)
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_plain_data_round_trips_in_every_protocol(protocol):
+    """Every data opcode family (text and binary ints, floats, strings, memo, containers) decodes as pickle does."""
+    shared = [1, 2]
+    value = {"a": [0, -1, 2**40, -(2**70), 1.5, float("-inf"), "ü" * 300, True, False, None],
+             "t": (1,), "t2": (1, 2), "t3": (1, 2, 3), "t4": tuple(range(4)), "nested": {"x": {"y": []}},
+             "same": shared, "again": shared, 7: "int key"}
+    data = pickle.dumps(value, protocol=protocol)
+    out = safe_pickle.loads(data)
+    assert out == pickle.loads(data)
+    assert out["same"] is out["again"]          # memo references stay shared
