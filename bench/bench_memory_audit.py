@@ -6,12 +6,10 @@ TP 8 x PP 4 / 8; deepseek-v3-671b PP 16 x EP 64 on 2,048; mixtral-8x7b with EP) 
 it) on the first, the last and the busiest pipeline rank and prints, per rank, the exact fp32
 parameter, gradient and AdamW bytes next to `cost_models.memory.memory_by_rank`'s figures for the
 same pipeline rank.  With ``--step`` it also runs the FakeTensor step estimate (``--memory``) of the
-layouts marked cheap and compares the whole peak.
-
-The FakeTensor peak is compared only where tensor parallelism is off: torch 2.14's memory tracker
-counts the tensors a DTensor backward creates at their *global* size under FakeTensorMode (a
-toy ``DTensor.exp()`` backward over 4 ranks reports 3.0 GiB of temporaries where the real run
-allocates 0.75 GiB), so its backward temporaries are inflated up to tp times when tp > 1.
+layouts marked cheap and compares the whole peak with the model's live-tensor figure (no caching
+allocator, no NCCL buffers: what the tracker counts).  (Before executor/dry_run_step.py gave DTensor's
+sharding propagation a fake mode of its own, the tracker also counted that propagation's global-shape
+tensors: up to tp times the real temporaries.)
 
 Usage: python bench/bench_memory_audit.py [--step] [--only NAME] ; the headline line is printed last.
 """
@@ -50,7 +48,7 @@ def _plan(**kw) -> dict:
 # (name, model, hardware, workload, plan, FakeTensor step affordable here)
 LAYOUTS = [
     ("405B tp8 pp16 V1 16384 (Llama 3 Table 4)", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
-     _plan(dp_shard=128, pp=16, tp=8, n_microbatches=16, ac="none"), False),
+     _plan(dp_shard=128, pp=16, tp=8, n_microbatches=16, ac="none"), True),
     ("405B tp8 pp16 V2 8192", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
      _plan(dp_shard=64, pp=16, tp=8, n_microbatches=32, schedule="Interleaved1F1B", stages_per_rank=2, ac="none"), False),
     ("405B tp8 pp16 V4 16384", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
@@ -58,7 +56,7 @@ LAYOUTS = [
     ("405B tp8 pp8 fsdp8 512 (TorchTitan T5)", "llama3-405b", "h100-96g-500w", dict(seq_len=8192, global_batch=256),
      _plan(dp_shard=8, pp=8, tp=8, microbatch=4, n_microbatches=8), False),
     ("70B tp8 pp4 256", "llama3-70b", "h100-sxm", dict(seq_len=8192, global_batch=256),
-     _plan(dp_shard=8, pp=4, tp=8, n_microbatches=32), False),
+     _plan(dp_shard=8, pp=4, tp=8, n_microbatches=32), True),
     ("70B tp8 pp8 V2 512", "llama3-70b", "h100-sxm", dict(seq_len=8192, global_batch=512),
      _plan(dp_shard=8, pp=8, tp=8, n_microbatches=64, schedule="Interleaved1F1B", stages_per_rank=2), False),
     ("DeepSeek-V3 pp16 ep64 2048 DualPipeV", "deepseek-v3-671b", "h800", dict(seq_len=4096, global_batch=15360),
