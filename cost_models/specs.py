@@ -20,6 +20,8 @@ import numpy as np
 from search_spaces.typed import InputError, check_fields, from_mapping, show
 from search_spaces.yaml_file import read_yaml
 
+from . import hf_config
+
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -65,6 +67,14 @@ class ModelSpec:
     rope_theta: float = field(default=500000.0, metadata=_POSITIVE_OPEN)
     norm_eps: float = field(default=1e-5, metadata=_POSITIVE_OPEN)
     max_seq_len: int = field(default=8192, metadata=_POSITIVE)
+    # RoPE frequency scaling: none, or Llama 3.1's (rope_type llama3; HF rope_scaling factor, low/high_freq_factor,
+    # original_max_position_embeddings): wavelengths above original/low are divided by factor, below original/high
+    # kept, blended between (executor/models/layers.py llama3_inv_freq)
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = field(default=8.0, metadata=_POSITIVE_OPEN)
+    rope_low_freq_factor: float = field(default=1.0, metadata=_POSITIVE_OPEN)
+    rope_high_freq_factor: float = field(default=4.0, metadata=_POSITIVE_OPEN)
+    rope_original_max_seq_len: int = field(default=8192, metadata=_POSITIVE)
     # attention flavour
     attention: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: int = field(default=0, metadata=_WIDTH_OR_0)
@@ -109,6 +119,9 @@ class ModelSpec:
         _choice(f"model '{self.name}'", "norm", self.norm, ("rmsnorm", "layernorm"))
         _choice(f"model '{self.name}'", "attention", self.attention, ("gqa", "mla"))
         _choice(f"model '{self.name}'", "score_func", self.score_func, ("softmax", "sigmoid"))
+        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise SpecError(f"model '{self.name}': key 'rope_high_freq_factor' ({self.rope_high_freq_factor}) must be "
+                            f"> 'rope_low_freq_factor' ({self.rope_low_freq_factor})")
         if self.n_heads % self.n_kv_heads:
             raise SpecError(f"model '{self.name}': n_kv_heads ({self.n_kv_heads}) must divide "
                             f"n_heads ({self.n_heads})")
@@ -336,6 +349,11 @@ def preset_names(kind: str) -> list[str]:
 
 
 def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
+    if hf_config.is_hf_ref(name_or_path):     # hf:DIR, a Hugging Face model folder's config.json
+        try:
+            return _build(ModelSpec, hf_config.model_dict(str(name_or_path)[len(hf_config.PREFIX):]), str(name_or_path))
+        except hf_config.HFConfigError as e:
+            raise SpecError(str(e)) from None
     return _load("models", name_or_path, ModelSpec)
 
 

@@ -291,6 +291,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if plan.ep > 1 and not spec.is_moe:
         raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
                           "expert parallelism needs a mixture-of-experts model (set ep: 1)")
+    if spec.tie_embeddings and (plan.pp > 1 or plan.tp > 1):   # executor/models/llama.py tie_weights
+        key = "pp" if plan.pp > 1 else "tp"
+        raise ConfigError(f"plan key '{key}' is {getattr(plan, key)} but model '{spec.name}' ties its embeddings "
+                          f"(tie_embeddings): titan-run keeps them tied only with pp 1 and tp 1 (set {key}: 1)")
     if plan.ep > 1 and spec.n_experts % plan.ep:
         raise ConfigError(f"plan key 'ep' ({plan.ep}) must divide the number of experts of model "
                           f"'{spec.name}' ({spec.n_experts})")

@@ -1,7 +1,18 @@
-"""Consolidated safetensors export/import with Hugging Face Llama names.
+"""Safetensors export/import with Hugging Face Llama names; Hugging Face model folders both ways.
 
+    titan-run import --hf path/to/Llama-3.2-1B --out init/step-000000      # config.json -> model=hf:DIR
+    titan-run export --checkpoint runs/a/checkpoints/step-000100 --hf-dir out/hf [--dtype bf16] [--max-shard-size 5GB]
     titan-run export --checkpoint runs/a/checkpoints/step-000100 --out model.safetensors
     titan-run import --safetensors model.safetensors --model llama3-debug --out ckpt/step-000000
+
+``--hf DIR`` reads the model spec from DIR/config.json (cost_models/hf_config.py) and the
+weights from model.safetensors or the shards of model.safetensors.index.json; the
+checkpoint names ``hf:<absolute DIR>`` as its model, so ``titan-run --resume`` and
+``export`` find the spec again.  ``--hf-dir`` writes what
+``transformers.AutoModelForCausalLM.from_pretrained`` loads: config.json (LlamaConfig, with
+rope_scaling and tie_word_embeddings) and safetensors shards with their index
+(``huggingface_hub.save_torch_state_dict``).  Tied models carry no ``lm_head.weight``
+(as Hugging Face saves them).
 
 Both run in one process without a process group (DCP ``no_dist``): export
 reads the model part of a (sharded, any-layout) checkpoint into full tensors;
@@ -39,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cost_models import hf_config
 from cost_models.specs import load_model
 
 from .checkpoint_files import (FORMAT, MARKER, META, CheckpointError, dcp_load, manifest, model_fingerprint, problem,
@@ -111,6 +123,55 @@ def _safetensors():
     return st
 
 
+def _hf_hub():
+    try:
+        # optional package (the export extra): only the Hugging Face folder export needs it
+        import huggingface_hub
+    except ImportError:
+        raise CheckpointError("export --hf-dir needs the 'huggingface_hub' package: pip install huggingface_hub "
+                              "(or pip install 'titan-autoplan[export]')") from None
+    return huggingface_hub
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of these safetensors files (no pickle at all); a damaged file is one CheckpointError."""
+    st = _safetensors()
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"'{f}' does not exist")
+        try:
+            out.update(st.load_file(str(f)))
+        except Exception as e:    # noqa: BLE001 - safetensors' SafetensorError (a plain Exception) for a bad file
+            raise CheckpointError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    return out
+
+
+def _index_files(index: Path) -> list[Path]:
+    """The shard files a ``model.safetensors.index.json`` names (its ``weight_map`` values)."""
+    try:
+        wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(wm.values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): "
+                              f"{type(e).__name__}") from None
+    if not all(isinstance(n, str) and "/" not in n and "\\" not in n and n not in ("", ".", "..") for n in names):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names in the same folder")
+    return [index.parent / n for n in names]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """A .safetensors file, a sharded checkpoint's index.json, or a Hugging Face model folder."""
+    if path.is_dir():
+        for name in ("model.safetensors.index.json", "model.safetensors"):
+            if (path / name).is_file():
+                return _weight_files(path / name)
+        raise CheckpointError(f"'{path}' holds neither model.safetensors nor model.safetensors.index.json")
+    if not path.is_file():
+        raise CheckpointError(f"'{path}' does not exist")
+    return _index_files(path) if path.name.endswith(".json") else [path]
+
+
 def _plain_shapes(spec) -> dict[str, torch.Size]:
     if spec.is_moe:
         raise CheckpointError(f"model '{spec.name}' is a mixture-of-experts model: safetensors export/import "
@@ -123,8 +184,8 @@ def _plain_shapes(spec) -> dict[str, torch.Size]:
     return {n: p.shape for n, p in model.named_parameters()}
 
 
-def export_checkpoint(checkpoint: Path, out: Path) -> dict:
-    st = _safetensors()
+def _hf_tensors(checkpoint: Path):
+    """(spec, meta, {HF name: full fp32 tensor}) of a checkpoint's model (tied: no lm_head.weight, as HF saves it)."""
     why = problem(checkpoint)
     if why is not None:
         raise CheckpointError(f"checkpoint {checkpoint} cannot be loaded: {why}")
@@ -140,6 +201,12 @@ def export_checkpoint(checkpoint: Path, out: Path) -> dict:
     for fqn, t in state["model"].items():
         t = to_hf_rope(t, spec.head_dim) if _needs_rope_permute(fqn) else t
         tensors[hf_name(fqn)] = t.contiguous()
+    return spec, meta, tensors
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> dict:
+    st = _safetensors()
+    spec, meta, tensors = _hf_tensors(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     st.save_file(tensors, str(out), metadata={"format": "pt", "titan_model": str(meta["model"]),
                                               "titan_step": str(meta.get("step", 0)),
@@ -147,11 +214,54 @@ def export_checkpoint(checkpoint: Path, out: Path) -> dict:
     return {"tensors": len(tensors), "bytes": out.stat().st_size, "step": meta.get("step")}
 
 
-def import_safetensors(src: Path, model: str, out: Path) -> dict:
-    st = _safetensors()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def export_hf_dir(checkpoint: Path, out: Path, *, dtype: str = "fp32", max_shard_size: str = "5GB") -> dict:
+    """A folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads: config.json (LlamaConfig) and
+    safetensors shards with model.safetensors.index.json (huggingface_hub.save_torch_state_dict)."""
+    _safetensors()
+    hub = _hf_hub()
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: allowed: {', '.join(DTYPES)}")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--hf-dir '{out}' exists and is not a folder")
+    spec, meta, tensors = _hf_tensors(checkpoint)
+    config = hf_config.to_hf_config(spec, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
+    try:
+        split = hub.split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    except ValueError as e:
+        raise CheckpointError(f"--max-shard-size {max_shard_size!r}: {e} (e.g. 5GB, 500MB)") from None
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        old.unlink()          # a previous export's shards would be read next to the new ones
+    hub.save_torch_state_dict(tensors, out, max_shard_size=max_shard_size,
+                              metadata={"format": "pt", "titan_model": str(meta["model"]),
+                                        "titan_step": str(meta.get("step", 0))})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"tensors": len(tensors), "shards": len(split.filename_to_tensors), "step": meta.get("step"),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def import_hf_dir(src: Path, out: Path) -> dict:
+    """A Hugging Face Llama folder (config.json + model.safetensors or a sharded index) -> a weights checkpoint."""
+    if not src.is_dir():
+        raise CheckpointError(f"--hf '{src}' is not a folder (a Hugging Face model folder holds config.json and "
+                              "model.safetensors or model.safetensors.index.json)")
+    ref = f"{hf_config.PREFIX}{src.resolve()}"
+    load_model(ref)                                  # config.json first: its one-line errors
+    return import_safetensors(_weight_files(src), ref, out, source=str(src))
+
+
+def import_safetensors(src: Path | list[Path], model: str, out: Path, *, source: str | None = None) -> dict:
     spec = load_model(model)
     shapes = _plain_shapes(spec)
-    loaded = st.load_file(str(src))            # safetensors: no pickle at all
+    files = src if isinstance(src, list) else _weight_files(src)
+    src = Path(source or files[0])
+    loaded = _read_safetensors(files)
+    if spec.tie_embeddings:   # a tied checkpoint may carry the head too (a copy of the embedding): not a parameter
+        loaded.pop("lm_head.weight", None)
     sd = {}
     for name, t in loaded.items():
         fqn = our_name(name)
@@ -165,6 +275,9 @@ def import_safetensors(src: Path, model: str, out: Path) -> dict:
     if missing:
         raise CheckpointError(f"{src}: missing tensor for '{missing[0]}' ({hf_name(missing[0])}) and "
                               f"{len(missing) - 1} more")
+    n_tensors = len(sd)
+    if spec.tie_embeddings:   # the model's state dict names the shared weight twice (get_state_dict keeps both)
+        sd["output.weight"] = sd["tok_embeddings.weight"]
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -174,7 +287,7 @@ def import_safetensors(src: Path, model: str, out: Path) -> dict:
             "torch": torch.__version__}
     (out / META).write_text(json.dumps(meta, indent=1))
     (out / MARKER).write_text(json.dumps({"files": manifest(out), "step": 0}))
-    return {"tensors": len(sd), "path": str(out)}
+    return {"tensors": n_tensors, "path": str(out)}
 
 
 def main(argv: list[str]) -> int:
@@ -182,19 +295,40 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog=f"titan-run {cmd}", description=__doc__.split("\n")[0])
     if cmd == "export":
         p.add_argument("--checkpoint", required=True, help="a complete checkpoint folder (step-N)")
-        p.add_argument("--out", required=True, help="the .safetensors file to write")
+        to = p.add_mutually_exclusive_group(required=True)
+        to.add_argument("--out", help="one consolidated .safetensors file to write (fp32, HF Llama names)")
+        to.add_argument("--hf-dir", help="a Hugging Face model folder to write: config.json + sharded safetensors "
+                                         "with model.safetensors.index.json (AutoModelForCausalLM.from_pretrained)")
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--hf-dir tensor dtype (default fp32)")
+        p.add_argument("--max-shard-size", default="5GB", help="--hf-dir largest shard, e.g. 5GB, 500MB (default 5GB)")
     else:
-        p.add_argument("--safetensors", required=True, help="a Hugging Face Llama-style .safetensors file")
-        p.add_argument("--model", required=True, help="model preset name or YAML path it belongs to")
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama folder: config.json + model.safetensors "
+                                                     "or a sharded model.safetensors.index.json (the model spec "
+                                                     "comes from config.json: model=hf:DIR)")
+        src.add_argument("--safetensors", help="a Hugging Face Llama-style .safetensors file, or a sharded "
+                                               "checkpoint's model.safetensors.index.json (needs --model)")
+        p.add_argument("--model", help="with --safetensors: model preset name, YAML path or hf:DIR it belongs to")
         p.add_argument("--out", required=True, help="checkpoint folder to write (load with titan-run --resume)")
     args = p.parse_args(rest)
+    if cmd == "import" and args.safetensors and not args.model:
+        p.error("--safetensors needs --model (or give --hf DIR, whose config.json is the model)")
     try:
-        if cmd == "export":
+        if cmd == "export" and args.hf_dir:
+            info = export_hf_dir(Path(args.checkpoint), Path(args.hf_dir), dtype=args.dtype,
+                                 max_shard_size=args.max_shard_size)
+            print(f"titan-run export: {info['tensors']} tensors ({info['bytes']:,} bytes {args.dtype}, step "
+                  f"{info['step']}) in {info['shards']} shard(s) + config.json -> {args.hf_dir}")
+        elif cmd == "export":
             info = export_checkpoint(Path(args.checkpoint), Path(args.out))
             print(f"titan-run export: {info['tensors']} tensors ({info['bytes']:,} bytes, step {info['step']}) "
                   f"-> {args.out}")
+        elif args.hf:
+            info = import_hf_dir(Path(args.hf), Path(args.out))
+            print(f"titan-run import: {info['tensors']} tensors -> {info['path']} "
+                  f"(model=hf:{Path(args.hf).resolve()})")
         else:
-            if not Path(args.safetensors).is_file():
+            if not Path(args.safetensors).exists():
                 raise CheckpointError(f"'{args.safetensors}' does not exist")
             info = import_safetensors(Path(args.safetensors), args.model, Path(args.out))
             print(f"titan-run import: {info['tensors']} tensors -> {info['path']}")

@@ -2,6 +2,8 @@
 the dense feed-forward and the norm.  Plain PyTorch; it imports no other model file."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,12 +11,30 @@ from torch import nn
 from cost_models.specs import ModelSpec
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [seq, head_dim/2] for rotary embeddings (Su et al. 2021)."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 spec: ModelSpec | None = None):
+    """cos/sin tables [seq, head_dim/2] for rotary embeddings (Su et al. 2021); `spec` with
+    ``rope_scaling: llama3`` rescales the frequencies as Llama 3.1 does (`llama3_inv_freq`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim))
+    if spec is not None and spec.rope_scaling == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, spec)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Llama 3.1 RoPE scaling (Meta's reference ``apply_scaling``; HF rope_type "llama3"): wavelengths
+    longer than original/low_freq_factor are divided by `factor`, shorter than original/high_freq_factor
+    kept, and the band between blended linearly in original/wavelength."""
+    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    old = spec.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,12 @@ this module from outside.  The contract they rely on:
   (k, v with the kv heads); context parallel swaps it for ring attention.
 * Head counts are read from tensor shapes, so column-sharded projections
   (tensor parallel) work unchanged.
-* No buffers: RoPE tables are computed from ``positions`` on the fly.
+* No buffers: RoPE tables are computed from ``positions`` on the fly (with
+  ``rope_scaling: llama3``, Llama 3.1's frequency scaling, `layers.llama3_inv_freq`).
+* ``tie_embeddings``: ``output.weight`` *is* ``tok_embeddings.weight`` (one
+  parameter, named ``tok_embeddings.weight`` by ``named_parameters``; the state
+  dict names it twice).  Layouts that would put the two on different ranks or
+  shard them apart (pp > 1, tp > 1) are refused by ``executor/config.py``.
 * ``attention: mla`` specs get `mla.MLAttention` (DeepSeek multi-head latent
   attention) as ``block.attention``; RoPE tables then cover qk_rope_head_dim.
 * Mixture-of-experts specs get `moe.MoEFeedForward` as ``block.feed_forward``
@@ -93,13 +98,26 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, spec) for i in range(spec.n_layers)})
         self.norm = make_norm(spec)
         self.output = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """``tie_embeddings``: the head's weight is the embedding's (one parameter, as the cost model counts it)."""
+        if self.spec.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # to_empty() / .to() replace each module's parameters one by one, which would untie them; FSDP2
+        # resets a shared parameter from its first module (tok_embeddings), so re-tying keeps it consistent
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(positions, self.rope_dim, self.spec.rope_theta,
-                                h.dtype if h.is_floating_point() else torch.float32)
+                                h.dtype if h.is_floating_point() else torch.float32, self.spec)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
@@ -111,14 +129,14 @@ class Transformer(nn.Module):
         Embeddings N(0, 1); projections truncated N(0, 0.02); output
         projections of each block (wo, w2) scaled by 1/sqrt(2*(layer+1))
         (depth-scaled init as in TorchTitan); the LM head N(0, dim^-1/2);
-        norms ones.
+        norms ones; a tied embedding (also the head) N(0, dim^-1/2) truncated.
         """
         if fqn.endswith("norm.weight"):
             return ("ones", 0.0)
         if fqn.endswith("router.expert_bias"):
             return ("zeros", 0.0)
-        if fqn.startswith("tok_embeddings"):
-            return ("normal", 1.0)
+        if fqn.startswith("tok_embeddings"):   # tied: the weight is the LM head too, so the head's scale
+            return ("trunc_normal", self.spec.dim ** -0.5) if self.spec.tie_embeddings else ("normal", 1.0)
         if fqn.startswith("output"):
             return ("trunc_normal", self.spec.dim ** -0.5)
         if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2",
