@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,9 @@ def load_measurements(storage: str, study_name: str | None, hardware: str | None
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():
+        # optuna would create an empty database at a mistyped path
+        raise PlanningError(f"--storage {storage}: no database file '{storage[len('sqlite:///'):]}'")
     try:
         names = [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
     except Exception as e:  # noqa: BLE001 - storage errors come in many types
@@ -70,18 +74,20 @@ def load_measurements(storage: str, study_name: str | None, hardware: str | None
     # repeated runs of one plan count as one measurement (median step time, largest peak), so
     # leave-one-out never keeps a twin of the held-out plan in the fit
     runs: dict[Plan, tuple[list[float], list[float]]] = {}
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    # a pruned trial ran its first steps: its median step time counts; its peak memory is unknown (NaN)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         a = t.user_attrs
-        if a.get("status") != "ok" or "duplicate_of" in a or not a.get("step_time_s"):
+        if a.get("status") not in ("ok", "pruned") or "duplicate_of" in a or not a.get("step_time_s"):
             continue
         t_runs, m_runs = runs.setdefault(Plan.from_dict(a["plan"]), ([], []))   # Plan is hashable
         t_runs.append(float(a["step_time_s"]))
-        m_runs.append(float(a.get("peak_memory_bytes") or np.nan))
+        m_runs.append(float(a.get("peak_memory_bytes") or np.nan) if a["status"] == "ok" else np.nan)
     plans = list(runs)
     times = [float(np.median(t)) for t, _ in runs.values()]
-    mems = [float(np.max(m)) for _, m in runs.values()]
+    mems = [float(np.nanmax(m)) if np.isfinite(m).any() else np.nan for _, m in runs.values()]
     if len(plans) < 3:
-        raise PlanningError(f"study '{study_name}' has {len(plans)} successful trials; calibration needs >= 3")
+        raise PlanningError(f"study '{study_name}' has {len(plans)} measured plans (ok or pruned with step times); "
+                            "calibration needs >= 3")
     wl = Workload(seq_len=int(ua["seq_len"]), global_batch=int(ua["global_batch"]), dtype=ua.get("dtype", "bf16"))
     hw = load_hardware(hardware or ua["hardware"])
     if hw.device == "cpu" and ua.get("gpus"):   # CPU trials run on one host (titan-plan's default topology)

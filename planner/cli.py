@@ -308,6 +308,7 @@ def _run_trials(args, res, space, contents, q: PlanInputs):
               "workload": contents["workload"]}
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     rows = run_trials(res, plan_inputs=inputs, settings=settings, space_knobs=dict(space.knobs), log=log)
+    args.study_name = settings.study_name   # the name stored in --storage (run_trials sets it), printed below
     ok = [o for o in rows if o.status == "ok"]
     if not ok:
         print("titan-plan: warning: no trial succeeded; keeping the analytic choice", file=sys.stderr)

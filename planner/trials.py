@@ -17,9 +17,12 @@ killed at any point resumes where it stopped, and optuna-dashboard opens it.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shlex
+import socket
 import signal
 import subprocess
 import sys
@@ -31,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cost_models.estimate import estimate
+from executor.launch import die_with_parent   # stdlib only: no torch on the planner's path
 from search_spaces.plan import Plan, PlanError
 from search_spaces.planfile import write_plan_file
 from search_spaces.space import KNOB_KEYS
@@ -92,6 +96,27 @@ def launch_command(settings: TrialSettings, plan_file: Path, run_dir: Path, npro
     return cmd
 
 
+# The trial's process-group guard (its own session, so it outlives a kill -9 of titan-plan): once titan-plan
+# is gone (this process re-parented), SIGKILL the trial's whole group -- the trial leader itself dies at once
+# by PR_SET_PDEATHSIG, what it started (torchrun, an srun step, ...) is in its group. Ends with the group.
+GROUP_GUARD = """
+import os, signal, sys, time
+planner, pgid = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        break
+    if os.getppid() != planner:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        break
+    time.sleep(0.2)
+"""
+
+
 def run_one(cmd: list[str], run_dir: Path, timeout_s: float,
             on_step: Callable[[int, float], bool] | None = None) -> dict[str, Any]:
     """Run a trial command in its own session; kill the whole group on timeout or prune.
@@ -103,7 +128,9 @@ def run_one(cmd: list[str], run_dir: Path, timeout_s: float,
     log = open(run_dir / "trial.log", "w")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    guard = subprocess.Popen([sys.executable, "-S", "-c", GROUP_GUARD, str(os.getpid()), str(proc.pid)],
+                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     seen, status = 0, None
     try:
         while proc.poll() is None:
@@ -122,6 +149,8 @@ def run_one(cmd: list[str], run_dir: Path, timeout_s: float,
     finally:
         if proc.poll() is None:
             kill_group(proc)
+        guard.kill()
+        guard.wait()
         log.close()
     if status:
         return {"status": status, "reason": f"{status} after {time.monotonic() - t0:.0f} s"}
@@ -244,6 +273,64 @@ def open_study(settings: TrialSettings, attrs: dict[str, Any]):
     return study
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie is dead
+    except OSError:
+        return True
+
+
+class StudyLock:
+    """One titan-plan per study: a second one on the same study is refused in one line.
+
+    SQLite storage: an flock on ``<db>.<study>.lock`` next to the database (the kernel drops it when the
+    holder dies, however it dies, so a stale lock is taken over). Other storages: the study's user attribute
+    ``in_use_by`` (host, pid); a holder on this host that is no longer alive is taken over.
+    """
+
+    def __init__(self, study, url: str):
+        self.study, self.fd = study, None
+        name = study.study_name
+        if url.startswith("sqlite:///"):
+            path = Path(url[len("sqlite:///"):]).resolve()
+            lock = path.with_name(f"{path.name}.{name}.lock")
+            try:
+                self.fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise TrialsError(f"--storage {url}: cannot create the study lock '{lock}': {e.strerror}") from None
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(self.fd)
+                self.fd = None
+                raise TrialsError(f"study '{name}' in {url} is in use by pid {holder} (lock file {lock})") from None
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+            return
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        other = study.user_attrs.get("in_use_by")
+        if other and other != me and (other.get("host") != me["host"] or _pid_alive(int(other.get("pid", 0)))):
+            raise TrialsError(f"study '{name}' in {url} is in use by pid {other.get('pid')} on {other.get('host')}")
+        study.set_user_attr("in_use_by", me)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)          # drops the flock; the file stays (removing it would race a new holder)
+            self.fd = None
+        elif self.study.user_attrs.get("in_use_by") == {"host": socket.gethostname(), "pid": os.getpid()}:
+            self.study.set_user_attr("in_use_by", None)
+
+
 def _set_constraint(trial, value: float) -> None:
     """<= 0 feasible; > 0 infeasible (over memory, oom, timeout, crash, illegal)."""
     trial.set_user_attr("constraint", float(value))
@@ -261,7 +348,6 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
     """Run (or resume) the study; returns every finished trial, best first."""
     import optuna
     from optuna.distributions import CategoricalDistribution
-    from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     est = res.est
@@ -282,7 +368,25 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
         dists[k] = CategoricalDistribution(sorted(set(space_knobs[k])) if k == "microbatch" else list(space_knobs[k]))
     attrs = {k: plan_inputs[k] for k in STUDY_ATTRS}
     study = open_study(settings, attrs)
-    # trials left RUNNING by a killed titan-plan: mark failed, run their points again
+    settings.study_name = study.study_name          # the stored name, for the caller to print
+    lock = StudyLock(study, settings.storage)
+    try:
+        _run_study(study, res, dists, layouts, ranked, base, plan_inputs, settings, log)
+    finally:
+        lock.release()
+    return outcomes(study)
+
+
+def _measured(t) -> bool:
+    """A trial that ran titan-run (ok, pruned, oom, timeout, error): one unit of the --trials budget."""
+    return "plan" in t.user_attrs and "duplicate_of" not in t.user_attrs
+
+
+def _run_study(study, res, dists, layouts, ranked, base, plan_inputs, settings, log) -> None:
+    from optuna.trial import TrialState
+
+    # trials left RUNNING by a killed titan-plan (the study lock says none is running now): mark failed,
+    # run their points again
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
         study.enqueue_trial(t.params, skip_if_exists=False)
@@ -301,30 +405,44 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
 
     nproc = plan_inputs["gpus"]
     gb = plan_inputs["global_batch"]
-    done = lambda: [t for t in study.get_trials(deepcopy=False)  # noqa: E731
-                    if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    if len(done()) >= settings.n_trials:
-        log(f"[trials] study '{study.study_name}' already has {len(done())} finished trials; nothing to run")
-    while len(done()) < settings.n_trials:
+    finished = (TrialState.COMPLETE, TrialState.PRUNED)
+    n_points = int(np.prod([len(d.choices) for d in dists.values()]))
+
+    def answered():   # params -> the finished trial that answers them (a measurement, or an illegal point)
+        return {tuple(sorted(t.params.items())): t for t in study.get_trials(deepcopy=False, states=finished)
+                if "duplicate_of" not in t.user_attrs and ("plan" in t.user_attrs
+                                                           or t.user_attrs.get("status") == "illegal")}
+
+    n_done = sum(_measured(t) for t in study.get_trials(deepcopy=False, states=finished))
+    if n_done >= settings.n_trials:
+        log(f"[trials] study '{study.study_name}' already has {n_done} measured trials; nothing to run")
+    while n_done < settings.n_trials:
+        known = answered()
+        if len(known) >= n_points:
+            log(f"[trials] every one of the {n_points} points of the space is answered; stopping at {n_done} "
+                f"of {settings.n_trials} measurements")
+            break
         trial = study.ask(dists)
         params = trial.params
-        twin = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                     if t.params == params and "plan" in t.user_attrs), None)
-        if twin is not None:   # the sampler proposed a point already measured: reuse, don't rerun
+        twin = known.get(tuple(sorted(params.items())))
+        if twin is not None:   # a point already answered: reuse it, spend no budget
             for k, v in twin.user_attrs.items():
                 trial.set_user_attr(k, v)
             trial.set_user_attr("duplicate_of", twin.number)
             _set_constraint(trial, twin.user_attrs.get("constraint", 0.0))
-            study.tell(trial, twin.value)
+            if twin.state == TrialState.COMPLETE:
+                study.tell(trial, twin.value)
+            else:
+                study.tell(trial, state=TrialState.PRUNED)
             continue
         knobs = {k: params[k] for k in SAMPLED_KNOBS}
         try:
             plan = _plan_from(params["layout"], knobs, gb, base)
-        except PlanError as e:
+        except PlanError as e:   # an illegal point: infeasible, pruned, never a measured 0.0
             trial.set_user_attr("status", "illegal")
             trial.set_user_attr("reason", str(e))
             _set_constraint(trial, 1.0)
-            study.tell(trial, 0.0)
+            study.tell(trial, state=TrialState.PRUNED)
             continue
         one = estimate(CandidateTable.from_plans([plan]), res.model, res.hw, res.workload, res.coeffs)
         pred = report.predicted(one, 0)
@@ -334,18 +452,24 @@ def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: Tr
                                     "workload": plan_inputs["workload"], "plan": plan, "predicted": pred})
         trial.set_user_attr("plan", plan.to_dict())
         trial.set_user_attr("predicted", pred)
-        log(f"[trials] trial {trial.number}: {plan.describe()} "
+        log(f"[trials] trial {n_done + 1}/{settings.n_trials} (#{trial.number}): {plan.describe()} "
             f"(predicted {pred['tokens_per_s']:,.0f} tok/s, {pred['peak_memory_gib']:.2f} GiB)")
+        step_times: dict[int, float] = {}
 
         def on_step(step: int, step_time: float) -> bool:
+            step_times[step] = step_time
             trial.report(step_time and gb * plan_inputs["seq_len"] / step_time, step)
             return step > 2 and trial.should_prune()
 
         t0 = time.monotonic()
         s = run_one(launch_command(settings, plan_file, run_dir, nproc), run_dir, settings.timeout_s, on_step)
+        if s.get("status") == "pruned":
+            timed = [v for k, v in sorted(step_times.items()) if k > 2 and v > 0]   # after the 2 warm-up steps
+            if timed:
+                s["step_time_s"] = float(np.median(timed))
         record_result(study, trial, s, capacity_bytes=res.est.capacity_bytes,
                       wall_s=time.monotonic() - t0, run_dir=run_dir, log=log)
-    return outcomes(study)
+        n_done += 1
 
 
 def record_result(study, trial, s: dict[str, Any], *, capacity_bytes: float, wall_s: float, run_dir: Path,
@@ -367,6 +491,8 @@ def record_result(study, trial, s: dict[str, Any], *, capacity_bytes: float, wal
         log(f"[trials]   ok: {s['tokens_per_s']:,.1f} tok/s measured, step {s['step_time_s']:.3f} s, "
             f"peak {(s.get('peak_memory_bytes') or 0) / 2 ** 30:.3f} GiB")
     elif status == "pruned":
+        if s.get("step_time_s"):           # the steps it ran (calibrate uses them)
+            trial.set_user_attr("step_time_s", float(s["step_time_s"]))
         _set_constraint(trial, 0.0)
         study.tell(trial, state=TrialState.PRUNED)
         log("[trials]   pruned (slower than the median of earlier trials)")

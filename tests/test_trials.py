@@ -168,3 +168,130 @@ def test_locked_storage_is_a_clear_error(tmp_path):
         con.rollback()
         con.close()
     assert r.returncode == 2 and "locked" in r.stderr, r.stderr
+
+
+# --------------------------------------------------------------------------- the study's processes and budget
+HANG = textwrap.dedent("""\
+    import os, subprocess, sys, time
+    run_dir = sys.argv[2]
+    c = subprocess.Popen(["sleep", "1000"])            # what titan-run starts (torchrun): same process group
+    open(run_dir + "/pids", "w").write(f"{os.getpid()} {c.pid}")
+    time.sleep(1000)
+""")
+
+
+def _hanging_args(tmp_path, storage, n=2):
+    hang = tmp_path / "hang.py"
+    hang.write_text(HANG)
+    return ["--gpus", "2", "--hardware", "cpu", "--trials", str(n), "--storage", storage, "--launcher",
+            f"{sys.executable} {hang} {{plan}} {{run_dir}}", "--run-root", str(tmp_path / "runs"), "--no-write"]
+
+
+def _wait_for(path_glob, root: Path, timeout=120.0) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hits = list(root.rglob(path_glob)) if root.exists() else []
+        if hits and hits[0].read_text().strip():
+            return hits[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no {path_glob} under {root} after {timeout} s")
+
+
+def test_kill_9_of_the_planner_takes_the_running_trial_with_it(tmp_path):
+    """kill -9 of titan-plan (only its pid, not its group): the trial and what it started die within seconds."""
+    p = subprocess.Popen([sys.executable, "-m", "planner.cli", *_hanging_args(tmp_path, f"sqlite:///{tmp_path}/k.db")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        pids = [int(x) for x in _wait_for("pids", tmp_path / "runs").read_text().split()]
+        assert all(_alive(x) for x in pids)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(x) for x in pids), f"trial processes outlived titan-plan: {pids}"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_a_second_planner_on_the_same_study_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
+    storage = f"sqlite:///{tmp_path}/two.db"
+    a = subprocess.Popen([sys.executable, "-m", "planner.cli", *_hanging_args(tmp_path, storage)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for("pids", tmp_path / "runs")            # a's first trial is running
+        r = subprocess.run([sys.executable, "-m", "planner.cli", *_plan_args(tmp_path, 2, storage)],
+                           capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert f"is in use by pid {a.pid}" in lines[0] and "study 'titan-llama3-debug-cpu-2'" in lines[0]
+    finally:
+        os.killpg(a.pid, signal.SIGKILL)
+        a.wait()
+    # a is dead (its lock with it): the study is taken over; its RUNNING trial is run again, to completion
+    assert main(_plan_args(tmp_path, 2, storage)) == 0
+
+
+def test_trials_budget_counts_real_measurements_and_the_printed_name_is_stored(tmp_path, capsys):
+    import optuna
+    from optuna.trial import TrialState
+
+    storage = f"sqlite:///{tmp_path}/b.db"
+    assert main(_plan_args(tmp_path, 6, storage)) == 0
+    out = capsys.readouterr().out
+    names = [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
+    assert names == ["titan-llama3-debug-cpu-2"] and f"study '{names[0]}' in {storage}" in out
+    trials = optuna.load_study(study_name=names[0], storage=storage).get_trials()
+    measured = [t for t in trials if "plan" in t.user_attrs and "duplicate_of" not in t.user_attrs]
+    assert len(measured) == 6                                          # --trials 6 = 6 runs of titan-run
+    assert len({tuple(sorted(t.params.items())) for t in measured}) == 6       # all distinct points
+    runs = list((tmp_path / "runs").rglob("plan.yaml"))
+    assert len(runs) == 6                                              # a duplicate never launched a run
+    for t in trials:     # an illegal point or a duplicate of one is never a measured 0.0
+        if t.user_attrs.get("status") == "illegal":
+            assert t.state == TrialState.PRUNED and "plan" not in t.user_attrs
+
+
+def test_calibrate_on_a_missing_database_is_one_line_and_creates_nothing(tmp_path):
+    db = tmp_path / "typo.db"
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "calibrate", "--storage", f"sqlite:///{db}",
+                        "--out", str(tmp_path / "c.yaml")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and str(db) in r.stderr, r.stderr
+    assert not db.exists() and not (tmp_path / "c.yaml").exists()
+
+
+SPACE3 = textwrap.dedent("""\
+    name: three-microbatches
+    degrees: {dp_replicate: [1], pp: [1], tp: [1], cp: [1], ep: [1]}
+    tp_within_node: true
+    knobs:
+      microbatch: [1, 2, 4]
+      schedule: [GPipe]
+      stages_per_rank: [2]
+      ac: [none]
+      reshard_after_forward: [true]
+      compile: [false]
+      float8: [false]
+      backend: [spmd_types]
+""")
+
+
+@pytest.mark.slow
+def test_three_real_trials_then_calibrate(tmp_path):
+    """`--trials 3` runs titan-run 3 times (3 distinct plans), and `calibrate` fits them (a pruned trial
+    counts with the step times it ran)."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE3)
+    storage = f"sqlite:///{tmp_path}/real.db"
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", "llama3-debug", "--gpus", "1",
+                        "--hardware", "cpu", "--seq-len", "64", "--global-batch", "4", "--space", str(space),
+                        "--trials", "3", "--trial-steps", "4", "--storage", storage, "--run-root",
+                        str(tmp_path / "runs"), "--no-write"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("[trials]   ok:") + r.stderr.count("[trials]   pruned") == 3, r.stderr[-3000:]
+    assert r.stderr.count("[trials] trial ") == 3              # duplicates proposed by TPE ran nothing
+    c = subprocess.run([sys.executable, "-m", "planner.cli", "calibrate", "--storage", storage, "--no-loo",
+                        "--out", str(tmp_path / "cal.yaml")], capture_output=True, text=True, timeout=600)
+    assert c.returncode == 0, c.stderr
+    assert "3 successful trials" in c.stdout and (tmp_path / "cal.yaml").is_file()
