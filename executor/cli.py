@@ -5,6 +5,8 @@
     titan-run --self-test --nproc-per-node 8    # one collective per mesh axis, shard shapes
     titan-run --plan plan.yaml --run-dir runs/a --resume latest --max-restarts 3   # checkpoints, elastic
     titan-run export --checkpoint runs/a/checkpoints/step-000100 --out model.safetensors
+    titan-run import --hf my-llama --out init/step-000000   # a Hugging Face folder; --set model=hf:my-llama
+    titan-run export --checkpoint runs/a/checkpoints/step-000100 --hf-dir my-llama-tuned   # from_pretrained
     torchrun --nproc-per-node 8 -m executor.cli --plan plan.yaml   # started by a launcher
 
 Exit codes: 0 success, 2 bad input (one line on stderr, before any process
@@ -37,7 +39,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="titan-run", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Plan file keys: model, hardware, workload {seq_len, global_batch}, plan {...}, "
-                                       "train {steps, lr, warmup, seed, data, tokenizer, dtype, ...}.")
+                                       "train {steps, lr, warmup, seed, data, tokenizer, dtype, ...}. "
+                                       "Subcommands: 'titan-run import --hf DIR --out CKPT' (a Hugging Face "
+                                       "folder; model=hf:DIR), 'titan-run export --checkpoint CKPT --hf-dir DIR' "
+                                       "(for from_pretrained) or --out FILE.safetensors; see their --help.")
     p.add_argument("--plan", help="plan YAML (as written by titan-plan); default: llama3-debug on the local devices")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, dest="nproc",
                    help="worker processes (default: the GPUs; without a GPU, the plan's world size, or 2)")
