@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from .checkpoint_files import CheckpointError, finalize, manifest
+from .faults import ExpectedFailure, expected_failure
 
 NICE = 19
 STARTUP_TIMEOUT_S = 900
@@ -169,6 +170,8 @@ class BackgroundWriter:
         except EOFError:
             raise CheckpointError(f"the background checkpoint writer of rank {self.rank} exited while "
                                   f"{doing}") from None
+        if kind == "expected":          # a full disk, permissions, ...: one line (executor/faults.py)
+            raise ExpectedFailure(f"checkpoint of rank {self.rank}, {doing}: {payload}")
         if kind == "error":
             raise CheckpointError(f"background checkpoint writer of rank {self.rank}, {doing}: {payload}")
         return payload
@@ -374,7 +377,8 @@ def _writer_main(conn, rank: int, world: int, host: str, port: int, parent: int)
             try:
                 conn.send(("done", _write(state, payload, rank)))
             except BaseException as e:  # noqa: BLE001
-                conn.send(("error", f"{type(e).__name__}: {str(e).strip()[-800:]}"))
+                line = expected_failure(e, payload.get("tmp") if isinstance(payload, dict) else None)
+                conn.send(("expected", line) if line else ("error", f"{type(e).__name__}: {str(e).strip()[-800:]}"))
     finally:
         conn.close()
         dist.destroy_process_group()

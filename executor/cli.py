@@ -26,7 +26,8 @@ from search_spaces.plan import Plan
 
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 from .elastic import launcher_world, load_elastic_config
-from .launch import is_worker, run_torchrun, single_process_env
+from .faults import expected_failure, print_once
+from .launch import die_with_parent, is_worker, run_torchrun, single_process_env
 
 # This module is the launcher: `titan-run --help` and bad-input errors must not pay for importing
 # torch (seconds).  So the modules that import torch (self_test, checkpoint_files, mesh, train,
@@ -160,9 +161,13 @@ def write_failure_summary(run_dir: Path, rc: int) -> None:
         except (OSError, ValueError):
             pass
     status = "oom" if any("OutOfMemory" in e.get("type", "") for e in errors) else "error"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps({"status": status, "exit_code": rc, "errors": errors},
-                                                     indent=1))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps({"status": status, "exit_code": rc, "errors": errors},
+                                                         indent=1))
+    except OSError as e:          # a read-only or full run dir: the workers said so in one line already
+        if rc != EXIT_BAD_INPUT:
+            fail(f"cannot write the failure summary: {expected_failure(e, run_dir) or e}")
 
 
 # --------------------------------------------------------------------------- worker side
@@ -189,6 +194,10 @@ def worker_main(args) -> int:
             train(cfg, run_dir)
             code = 0
     except BaseException as e:     # noqa: BLE001 - report, then leave without waiting for peers
+        line = expected_failure(e, run_dir or args.run_dir)
+        if line is not None:       # the environment refused (a path, permissions, a full disk): one line, exit 2
+            print_once(line)
+            os._exit(EXIT_BAD_INPUT)
         print_error(rank, e)
         if run_dir is not None:
             write_rank_error(run_dir, rank, e)
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(argv)
     args = parse_args(argv)
     if is_worker():
+        die_with_parent()   # a worker dies with its torchrun agent / launcher (executor/launch.py)
         return worker_main(args)
     return launcher_main(args, argv)
 

@@ -21,6 +21,7 @@ rounding of the different reduction order.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 from search_spaces.plan import Plan, PlanError, min_microbatches
@@ -42,8 +43,31 @@ def nnodes_range(nnodes: str | None) -> tuple[int, int]:
 
 
 def launcher_world(args, nproc: int) -> int:
-    """The world size the launcher validates the plan against: nproc per node times the most nodes."""
-    return nproc * nnodes_range(getattr(args, "nnodes", None))[1]
+    """The world size the launcher validates the plan against: nproc per node times the most nodes.
+
+    More than one node needs a rendezvous every node can reach: without ``--rdzv-endpoint`` (or with a
+    host that does not resolve) torchrun would wait for the other nodes forever, so that is refused here.
+    """
+    nnodes = getattr(args, "nnodes", None)
+    hi = nnodes_range(nnodes)[1]
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    if hi > 1 and not endpoint:
+        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the rendezvous every node joins; "
+                          "the same on every node)")
+    if endpoint:
+        check_endpoint(endpoint)
+    return nproc * hi
+
+
+def check_endpoint(endpoint: str) -> None:
+    """`HOST:PORT` with a port in 1..65535 and a host that resolves (one line otherwise)."""
+    host, sep, port = str(endpoint).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got '{endpoint}'")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"--rdzv-endpoint {endpoint}: host '{host}' does not resolve ({e})") from None
 
 
 def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:

@@ -10,14 +10,36 @@ Environment variables (unset in real runs, so none of this fires):
   trainer at that point: ``checkpoint_writer.py``, job key ``kill``).  Each fires once per run
   directory: a marker file stops it from firing again after an elastic restart
   (tests/distributed/test_checkpoint.py).
+
+Expected failures (the environment, not a bug): :func:`expected_failure` turns a missing or
+unreadable file, a read-only or full disk, a file-size limit into one line naming the path and
+the problem; the worker prints it once per node (:func:`print_once`) and exits 2, and the torchrun
+wrapper (``launch.torchrun_main``) then adds nothing.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+# errno values that mean "the environment refused": a path, permissions, space, a size limit
+EXPECTED_ERRNOS = {
+    errno.ENOENT: "does not exist", errno.ENOTDIR: "a parent is not a folder", errno.EISDIR: "is a folder",
+    errno.EACCES: "permission denied", errno.EPERM: "operation not permitted", errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (file-size limit)", errno.ENAMETOOLONG: "name too long",
+}
+# torch's zip writer reports a short write (a full disk, a size limit) without an errno
+_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|file write failed|PytorchStreamWriter failed writing")
+
+
+class ExpectedFailure(Exception):
+    """An expected failure already put in one line (e.g. by the background checkpoint writer)."""
 
 
 def raise_if_fault(rank: int, step: int) -> None:
@@ -59,3 +81,45 @@ def before_step(rank: int, step: int, run_dir: Path) -> None:
     """The hooks the training loop runs before each step."""
     raise_if_fault(rank, step)
     maybe_kill(rank, step, run_dir)
+
+
+def _causes(exc: BaseException):
+    """`exc`, its causes and contexts, and the per-rank exceptions a DCP CheckpointException carries."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):          # torch.distributed.checkpoint.api.CheckpointException
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def expected_failure(exc: BaseException, where: str | Path | None = None) -> str | None:
+    """One line for an expected failure (see EXPECTED_ERRNOS), or None for anything else (a bug: traceback)."""
+    for e in _causes(exc):
+        if isinstance(e, ExpectedFailure):
+            return str(e)
+        if isinstance(e, OSError) and e.errno in EXPECTED_ERRNOS:
+            path = e.filename if e.filename is not None else where
+            return f"{path}: {EXPECTED_ERRNOS[e.errno]} ({e.strerror or errno.errorcode.get(e.errno)})"
+        if isinstance(e, RuntimeError) and _SHORT_WRITE.search(str(e)):
+            return (f"{where or 'a checkpoint file'}: a write came up short (a full disk or a file-size limit?): "
+                    f"{' '.join(str(e).split())[:160]}")
+    return None
+
+
+def print_once(line: str) -> None:
+    """Print `line` to stderr once per node and run: the first rank to get here prints it."""
+    key = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
+    marker = Path(tempfile.gettempdir()) / f"titan-run-error-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}-{os.getppid()}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    except OSError:
+        pass                                    # no temp dir: print anyway
+    print(f"titan-run: error: {line}", file=sys.stderr, flush=True)

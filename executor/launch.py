@@ -1,15 +1,28 @@
 """Starting the worker processes: torchrun for one node, or an existing launcher.
 
-``titan-run`` started by hand runs ``python -m torch.distributed.run
---standalone --nproc-per-node N -m executor.cli <same arguments>`` and waits
-for it.  torchrun stops every worker when one fails and exits non-zero, so a
-failing rank never leaves the others hanging (each process group also has a
-timeout).  Started by torchrun (``RANK``/``WORLD_SIZE`` set) or by ``srun``
+``titan-run`` started by hand runs torchrun (``python -m executor.launch torchrun
+--standalone --nproc-per-node N -m executor.cli <same arguments>``: torchrun
+in-process, wrapped by :func:`torchrun_main`) and waits for it.  torchrun stops every
+worker when one fails and exits non-zero, so a failing rank never leaves the others
+hanging (each process group also has a timeout).
+
+Every process of the chain dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
+:func:`die_with_parent`): titan-run -> torchrun -> workers (torchrun puts each worker in
+its own session, so a process-group kill does not reach them).  A killed ``titan-plan``
+or ``titan-run`` leaves nothing running.
+
+Failures end in one line: workers that exit with the bad-input code (2) have printed
+their one line already (rank 0, :mod:`executor.faults`), so the wrapper exits 2 without
+torchrun's error dump; any other failure is one line naming the first failed rank and
+its exit code or signal.  A multi-node rendezvous waits at most ``RDZV_JOIN_TIMEOUT_S``
+(``TITAN_RUN_RDZV_TIMEOUT_S``) for the other nodes, then says what it waited for.  Started by torchrun (``RANK``/``WORLD_SIZE`` set) or by ``srun``
 (``SLURM_PROCID``/``SLURM_NTASKS``, with ``MASTER_ADDR``/``MASTER_PORT``
 exported by the job script), the process is a worker itself.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import socket
@@ -18,6 +31,27 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+EXIT_BAD_INPUT = 2                # as executor.cli: the workers printed the one line already
+PR_SET_PDEATHSIG = 1              # <linux/prctl.h>
+RDZV_JOIN_TIMEOUT_S = 60.0        # how long a node waits for the others at the rendezvous (default)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies, however it dies (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere).
+
+    Used as a ``preexec_fn`` (planner/trials.py) and at the start of the torchrun wrapper and of each worker.
+    The signal fires when the parent *thread* ends, so children are started from the main thread.  If the
+    parent died before the prctl took effect (re-parented already), exit at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0 and (parent == 1 or os.getppid() != parent):
+        os._exit(1)
 
 
 def is_worker() -> bool:
@@ -65,13 +99,14 @@ def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnod
     """
     rdzv = ["--standalone"]
     if rdzv_endpoint:
-        rdzv = [f"--rdzv-backend={rdzv_backend or 'c10d'}", f"--rdzv-endpoint={rdzv_endpoint}"]
+        rdzv = [f"--rdzv-backend={rdzv_backend or 'c10d'}", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-conf=join_timeout={rdzv_timeout_s():g}"]
         if rdzv_id:
             rdzv.append(f"--rdzv-id={rdzv_id}")
     elastic = [f"--max-restarts={max_restarts}"] if max_restarts else []
     if nnodes:
         elastic.append(f"--nnodes={nnodes}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, *elastic, f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "executor.launch", "torchrun", *rdzv, *elastic, f"--nproc-per-node={nproc}",
            "-m", "executor.cli", *cli_args]
     proc = subprocess.Popen(cmd, env=child_env())
     try:
@@ -83,3 +118,55 @@ def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnod
         except subprocess.TimeoutExpired:
             proc.kill()
             return 130
+
+
+def rdzv_timeout_s() -> float:
+    v = os.environ.get("TITAN_RUN_RDZV_TIMEOUT_S")
+    try:
+        t = float(v) if v else RDZV_JOIN_TIMEOUT_S
+    except ValueError:
+        t = -1.0
+    if not 0 < t < float("inf"):
+        raise SystemExit(f"titan-run: error: TITAN_RUN_RDZV_TIMEOUT_S must be seconds > 0, got {v!r}")
+    return t
+
+
+def _failure_line(e) -> str:
+    """One line for torchrun's ChildFailedError: the first failed rank, its exit code or signal."""
+    rank, f = e.get_first_failure()
+    code = f.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return (f"titan-run: error: rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}; "
+            f"{len(e.failures)} of the ranks failed")
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun in this process: dies with titan-run, ends every failure in one line (no error dump)."""
+    die_with_parent()
+    os.environ.setdefault("LOGLEVEL", "ERROR")       # torchrun's info/warning chatter off (its own knob)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # torch: launcher path
+    from torch.distributed.elastic.rendezvous.api import RendezvousError  # torch: launcher path
+    from torch.distributed.run import parse_args, run  # torch: launcher path
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # failures: our one line
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        if e.get_first_failure()[1].exitcode == EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT                    # the first failed rank printed the one line
+        print(_failure_line(e), file=sys.stderr, flush=True)
+        return 1
+    except RendezvousError as e:
+        what = f"{args.nnodes} node(s) at the rendezvous {args.rdzv_endpoint}"
+        print(f"titan-run: error: gave up waiting for {what} after the join timeout "
+              f"({rdzv_timeout_s():g} s, TITAN_RUN_RDZV_TIMEOUT_S): {type(e).__name__}: "
+              f"{' '.join(str(e).split())[:200]}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    mode, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if mode == "torchrun":
+        sys.exit(torchrun_main(rest))
+    sys.exit(f"usage: python -m executor.launch torchrun TORCHRUN-ARGS (got {mode!r})")

@@ -43,7 +43,7 @@ from .config import RunConfig, dump_resolved
 from .cpu_memory import CpuPeakMemory, training_state_bytes
 from .data import PackedBatches, build_batches
 from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
-from .metrics import hardware_for_device, mfu
+from .metrics import hardware_for_device, mfu, world_peak_flops
 from .metrics_writer import MetricsWriter
 from .moe_step import (collect_step_stats, moe_layers, moe_params, set_aux_loss_scale, sum_moe_grads_over_tp,
                        update_expert_bias)
@@ -260,10 +260,8 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
               f"{str(tr.precision.param_dtype).replace('torch.', '')} | backend {tr.backend} | run dir {run_dir}",
               flush=True)
     hw = hardware_for_device(tr.device, cfg.hardware)
-    peak_flops = None
-    if hw is not None:
-        peak_flops = 1e12 * (hw.peak_tflops_bf16 if tr.precision.param_dtype == torch.bfloat16
-                             else hw.peak_tflops_fp32)
+    # the current world's peak (an elastic restart with fewer ranks has a smaller one): executor/metrics.py
+    peak_flops = world_peak_flops(hw, tr.precision.param_dtype == torch.bfloat16, tr.device)
     fpt = float(flops_per_token(cfg.spec, cfg.seq_len))    # MFU from the cost model's one formula
     records = []
     ckpt = Checkpointer(tr, run_dir)        # executor/checkpoint.py: saves, resume, elastic restarts
@@ -337,7 +335,7 @@ def run_one_step(tr: Trainer, step: int, fpt, peak_flops) -> dict:
         **moe,
         "step": step, "loss": loss_f, "grad_norm": gnorm_f, "lr": lr, "step_time_s": step_time,
         "data_time_s": float(allv[:, 0].max()), "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
-        "mfu": mfu(tps / world, fpt, peak_flops),
+        "mfu": mfu(tps, fpt, peak_flops),
         "peak_memory_bytes": peaks if any(p is not None for p in peaks) else None,
         "peak_memory_bytes_max": max((p for p in peaks if p is not None), default=None),
         "peak_allocated_bytes_max": max((p for p in allocs if p is not None), default=None),
