@@ -234,3 +234,27 @@ def test_titan_plan_plans_for_an_hf_folder(tmp_path):
                         "--out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert yaml.safe_load(out.read_text())["model"] == f"hf:{tmp_path / 'hf'}"
+
+
+def test_training_resumes_from_imported_hf_weights_with_fsdp(tmp_path):
+    """import --hf -> titan-run --resume on 2 FSDP ranks (tied embeddings): the trained weights are the
+    imported ones plus one small optimizer step, not a fresh initialization."""
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, rope_theta=5000.0, rope_scaling=dict(LLAMA3),
+                                   tie_word_embeddings=True)             # 320 >= the byte tokenizer's 259
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "init")).returncode == 0
+    run = tmp_path / "run"
+    p = cli("--nproc-per-node", "2", "--steps", "1", "--run-dir", str(run), "--resume", str(tmp_path / "init"),
+            "--set", f"model=hf:{tmp_path / 'hf'}", "--set", "workload.seq_len=32", "--set", "plan.dp_shard=2",
+            "--set", "train.checkpoint_every=1", "--set", "train.tensorboard=false", "--set", "train.lr=1e-4",
+            timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    before, after = our_model(tmp_path / "init"), our_model(run / "checkpoints" / "step-000001")
+    assert after.output.weight is after.tok_embeddings.weight
+    for (name, a), b in zip(before.named_parameters(), after.parameters()):
+        assert not torch.equal(a, b), f"{name} was not trained"
+        # Adam's first step moves each weight by about lr: tiny next to the weights' own spread
+        assert (a - b).abs().max() < 1e-3 * max(1.0, a.abs().max().item() / 0.02), name
