@@ -89,6 +89,7 @@ class TrainConfig:
     log_every: int = field(default=1, metadata=_AT_LEAST_1)
     profile_step: int = field(default=2, metadata=_AT_LEAST_0)  # CPU: step whose peak memory is measured; 0 = never
     tensorboard: bool = True
+    spmd_typecheck: bool = False  # spmd_types backend: run every step under the spmd_types checker (debug)
     expert_bias_gamma: float = field(default=1e-3, metadata=_AT_LEAST_0)  # MoE aux-loss-free balancing: bias
     #                                 step per optimizer step (load_balance_bias)
     pg_timeout_s: int = field(default=300, metadata=_AT_LEAST_1)  # collective timeout: a stuck rank fails

@@ -49,7 +49,7 @@ from .moe_step import (collect_step_stats, moe_layers, moe_params, set_aux_loss_
                        update_expert_bias)
 from .parallel import Precision, build_model_parts, resolve_backend, resolve_precision
 from .parallel.context_parallel import cp_shard_batch
-from .parallel.fsdp import spmd_batch, spmd_loss, spmd_typecheck
+from .parallel import spmd_step
 from .parallel.pipeline import build_schedule
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
 from .summary import summarize, write_rank_file
@@ -121,7 +121,7 @@ def setup(cfg: RunConfig) -> Trainer:
     meshes = build_meshes(cfg.plan, device.type)
     torch.manual_seed(cfg.train.seed)
     precision = resolve_precision(cfg, accelerator=device.type == "cuda")
-    backend = resolve_backend(cfg.plan, meshes, announce=dist.get_rank() == 0)
+    backend = resolve_backend(cfg.plan, meshes, announce=dist.get_rank() == 0, spec=cfg.spec)
 
     # 2. model: meta -> split -> parallelize -> materialize -> init (executor/parallel/parallelize.py)
     stages = build_model_parts(cfg.spec, cfg.plan, meshes, precision=precision, backend=backend, device=device,
@@ -159,18 +159,17 @@ def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) ->
         return loss.float() if loss is not None else torch.zeros((), device=tr.device)
 
     model = tr.stages[0][1]
+    if tr.backend == "spmd_types":    # typed local-SPMD step (TP/SP, FSDP): parallel/spmd_step.py
+        return spmd_step.forward_backward(model, tokens, labels, meshes, plan, typecheck=tr.cfg.train.spmd_typecheck)
     n = plan.n_microbatches
-    spmd = tr.backend == "spmd_types"
     total = torch.zeros((), device=tr.device)
     for tok, lab in zip(tokens.chunk(n), labels.chunk(n)):     # gradient accumulation
         positions = None
         if plan.cp > 1:
             tok, lab, positions = cp_shard_batch(tok, lab, meshes.cp)
-        with loss_context(tr.cfg), (spmd_typecheck() if spmd else contextlib.nullcontext()):
-            if spmd:      # spmd_types backend: typed batch, loss declared a pending dp reduction
-                tok, lab = spmd_batch(tok, meshes.spmd_dp), spmd_batch(lab, meshes.spmd_dp)
+        with loss_context(tr.cfg):
             loss = cross_entropy(model(tok, positions), lab) / n     # (+ MoE aux loss: moe.AuxLossGrad)
-            (spmd_loss(loss, meshes.spmd_dp) if spmd else loss).backward()
+            loss.backward()
         total += loss_value(loss.detach()).float()
     return total
 

@@ -71,22 +71,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, 
 
 # --------------------------------------------------------------------------- spmd_types
 def _spmd():
-    """The spmd_types package, imported on first use: an optional package (the spmd extra)."""
+    """The spmd_types package (a core dependency), imported where the spmd backend is used."""
     import spmd_types
     import spmd_types.checker  # noqa: F401 (typecheck)
     return spmd_types
 
 
 def spmd_fsdp_supported() -> str | None:
-    """None if FSDP2 + spmd_types can run here, else the reason it cannot."""
+    """None if FSDP2 + spmd_types can run here, else the reason it cannot (naming the torch version)."""
     try:
         _spmd()
     except ImportError:
-        return "spmd_types is not installed (pip install spmd-types)"
+        return "spmd_types is not installed (pip install 'spmd-types>=0.3,<0.4')"
     if "dp_mesh_dims" not in inspect.signature(fully_shard).parameters:
-        return "this torch's fully_shard has no dp_mesh_dims (spmd_types support needs torch >= 2.14)"
+        return f"torch {torch.__version__} has no spmd_types FSDP2 (fully_shard dp_mesh_dims needs torch >= 2.14)"
     if not getattr(dist, "_is_spmd_types_available", lambda: False)():
-        return "torch.distributed reports spmd_types unavailable"
+        return f"torch {torch.__version__} reports spmd_types unavailable"
     return None
 
 
@@ -95,15 +95,21 @@ def _axes(mesh: DeviceMesh) -> dict:
     return {name: spmd.MeshAxis.of(mesh.get_group(name)) for name in mesh.mesh_dim_names}
 
 
+DP_AXES = ("dp_replicate", "dp_shard")
+
+
 def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: torch.dtype,
                     reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
-    """FSDP2 over the data-parallel axes of `spmd_mesh` (names dp_replicate and/or dp_shard) with typed params."""
+    """FSDP2 with typed params over `spmd_mesh`: its data-parallel axes (dp_replicate and/or dp_shard) and
+    optionally ``tp``.  Every parameter is R on the dp axes; its tp type (set by
+    ``spmd_tensor_parallel.apply_spmd_tp``) is kept, R where there is none."""
     spmd = _spmd()
     from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.14 only (spmd_fsdp_supported checks)
     names = spmd_mesh.mesh_dim_names
     axes = _axes(spmd_mesh)
     for p in model.parameters():
-        spmd.assert_type(p, {axes[n]: spmd.R for n in names})
+        have = spmd.get_local_type(p) if spmd.has_local_type(p) else {}
+        spmd.assert_type(p, {axes[n]: have.get(axes[n], spmd.R) for n in names})
     dims = DataParallelMeshDims(shard="dp_shard" if "dp_shard" in names else None,
                                 replicate="dp_replicate" if "dp_replicate" in names else None)
     mp = _mp_policy(param_dtype, reduce_dtype)

@@ -22,9 +22,10 @@
   so its hooks stay outside the compiled region.
 
 ``backend``: ``dtensor`` uses DTensor TP and mesh-based FSDP2; ``spmd_types``
-uses spmd-typed FSDP2 plus runtime type checking where that is possible, and
-falls back to ``dtensor`` with a one-line warning elsewhere
-(:func:`resolve_backend`).
+(the default) uses local-SPMD TP/SP (``spmd_tensor_parallel.py``: plain local
+parameters typed per axis, typed collectives at module boundaries) and FSDP2 over
+the typed parameters, and falls back to ``dtensor`` with one line naming the
+missing piece elsewhere (:func:`resolve_backend`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ from .context_parallel import apply_cp
 from .expert_parallel import apply_ep
 from .fsdp import apply_fsdp, apply_fsdp_spmd, spmd_fsdp_supported
 from .pipeline import pipeline_split
+from .spmd_step import spmd_mesh
+from .spmd_tensor_parallel import apply_spmd_tp, spmd_tp_unsupported
 from .tensor_parallel import apply_tp
 
 
@@ -85,38 +88,43 @@ def apply_float8(module: nn.Module) -> None:
     convert_to_float8_training(module, module_filter_fn=lambda mod, fqn: fqn != "output")
 
 
-def resolve_backend(plan: Plan, meshes, *, announce: bool) -> str:
-    """The backend a run uses for the plan's ``backend`` knob; one warning line on fallback.
+def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | None:
+    """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
+    if plan.pp > 1:
+        return "pipeline parallel (pp > 1): the pipeline schedule's loss is not spmd_types-typed yet"
+    if plan.cp > 1:
+        return "context parallel (cp > 1): ring attention's P2P collectives are not spmd_types-typed yet"
+    if plan.ep > 1:
+        return "expert parallel (ep > 1): the all-to-all dispatch is not spmd_types-typed yet"
+    if plan.compile:
+        return "compile: the spmd_types path does not run under torch.compile yet"
+    if plan.float8:
+        return "float8: float8 linears are not spmd_types-typed yet"
+    if plan.tp > 1 and spec is not None and (reason := spmd_tp_unsupported(spec)) is not None:
+        return reason
+    return None
 
-    ``spmd_types`` is real where it is usable today: FSDP2 built from
-    spmd-typed parameters (``fully_shard(..., dp_mesh_dims=...)``, torch >= 2.14)
-    and every training step run under ``spmd_types`` type checking (see
-    ``fsdp.py``).  It covers data-parallel layouts (FSDP/HSDP); TP, PP and CP
-    are written with DTensor / c10d here, and compile cannot run under the
-    checker's TorchFunctionMode, so those plans fall back to ``dtensor``.
+
+def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | None = None) -> str:
+    """The backend a run uses for the plan's ``backend`` knob.
+
+    ``spmd_types`` (the default) runs data-parallel layouts (FSDP/HSDP) and tensor
+    parallel (TP/SP, alone or with FSDP/HSDP) on dense models, eager: typed local
+    parameters, explicit typed collectives (``fsdp.py``, ``spmd_tensor_parallel.py``,
+    ``spmd_step.py``).  Elsewhere the run uses ``dtensor``, announced in ONE line
+    (with `announce`) naming the missing piece: the torch version when this torch has no
+    spmd_types FSDP2 (torch < 2.14), else what the plan needs that the spmd path lacks.
     """
     if plan.backend == "dtensor":
         return "dtensor"
-    reason = spmd_fsdp_supported()
-    if reason is None:
-        if plan.tp > 1:
-            reason = "tensor parallel is implemented with DTensor (no spmd_types TP yet)"
-        elif plan.pp > 1:
-            reason = "the pipeline schedule runs its own backward (no spmd_types loss typing)"
-        elif plan.cp > 1:
-            reason = "ring attention's P2P collectives are not spmd_types-typed"
-        elif plan.ep > 1:
-            reason = "expert parallel uses DTensor expert shards and c10d all-to-all (not spmd_types-typed)"
-        elif plan.compile:
-            reason = "spmd_types type checking (a TorchFunctionMode) would disable torch.compile"
-        elif plan.float8:
-            reason = "float8 tensors are not spmd_types-typed"
-        elif meshes.spmd_dp is None:
-            reason = "no data-parallel axis to shard"
+    if plan.world_size == 1 or (plan.tp == 1 and meshes.spmd_dp is None):
+        # nothing is distributed: no collective, no typed axis (the same step on either backend)
+        return "dtensor"
+    reason = spmd_fsdp_supported() or spmd_plan_unsupported(plan, spec)
     if reason is None:
         return "spmd_types"
     if announce:
-        print(f"titan-run: warning: backend spmd_types -> dtensor: {reason}", file=sys.stderr, flush=True)
+        print(f"titan-run: note: backend dtensor instead of spmd_types: {reason}", file=sys.stderr, flush=True)
     return "dtensor"
 
 
@@ -125,7 +133,9 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place."""
     if plan.float8:
         apply_float8(module)
-    if plan.tp > 1:
+    if plan.tp > 1 and backend == "spmd_types":
+        apply_spmd_tp(module, meshes.tp)
+    elif plan.tp > 1:
         apply_tp(module, meshes.tp, loss_parallel=True, shard_embedding=tp_shards_embedding(plan))
     if plan.cp > 1:
         apply_cp(module, meshes.cp)
@@ -135,7 +145,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     if plan.compile:
         apply_compile(module)
     if backend == "spmd_types":
-        apply_fsdp_spmd(module, meshes.spmd_dp, param_dtype=precision.param_dtype,
+        apply_fsdp_spmd(module, spmd_mesh(meshes, plan), param_dtype=precision.param_dtype,
                         reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)
     elif uses_fsdp(plan, precision):
         apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
@@ -167,5 +177,5 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
     return stages
 
 
-__all__ = ["Precision", "build_model_parts", "parallelize", "resolve_backend", "resolve_precision", "uses_fsdp",
-           "tp_shards_embedding"]
+__all__ = ["Precision", "build_model_parts", "parallelize", "resolve_backend", "resolve_precision",
+           "spmd_plan_unsupported", "tp_shards_embedding", "uses_fsdp"]

@@ -1,0 +1,96 @@
+"""Eager tokens/s of the two backends on the same plan: ``spmd_types`` vs ``dtensor``.
+
+For each layout (TP 2, FSDP 2 x TP 2 by default) both backends train the same model
+(llama3-debug, seq 512, local batch 2 per data-parallel rank, fp32, gloo on CPU) with
+real `titan-run` runs, alternating backend after backend (and which one goes first
+each round) so drift hits both alike.  A run's figure is the median tokens/s per
+device of its steps after the warm-up steps; each backend's figure is the median of
+its runs (>= 5).  Every run must report the backend it was asked for (no fallback).
+Prints each run, then the medians, and last the ratio spmd_types / dtensor per layout.
+
+    python bench/bench_backends.py [--runs 5] [--steps 8] [--warmup 3] [--layouts tp2,dp2xtp2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from search_spaces.plan import Plan  # noqa: E402
+
+LOCAL_BATCH = 2
+LAYOUTS = {"tp2": Plan(tp=2, microbatch=LOCAL_BATCH),
+           "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=LOCAL_BATCH)}
+BACKENDS = ("spmd_types", "dtensor")
+
+
+def run_once(plan: Plan, backend: str, *, model: str, seq_len: int, steps: int, warmup: int, tmp: Path) -> float:
+    """One titan-run; the median tokens/s per device of the steps after `warmup`."""
+    run_dir = tmp / f"{backend}-{os.getpid()}-{len(list(tmp.iterdir()))}"
+    plan_file = run_dir.with_suffix(".yaml")
+    plan_dict = {**plan.to_dict(), "backend": backend}
+    plan_file.write_text(yaml.safe_dump({
+        "model": model, "workload": {"seq_len": seq_len, "global_batch": plan.global_batch()},
+        "plan": plan_dict,
+        "train": {"steps": steps, "dtype": "fp32", "profile_step": 0, "tensorboard": False, "seed": 0,
+                  "max_corpus_bytes": 1_000_000}}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "executor.cli", "--plan", str(plan_file), "--run-dir", str(run_dir),
+           "--nproc-per-node", str(plan.world_size)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"titan-run failed for {plan.describe()} on {backend}:\n{proc.stderr[-4000:]}")
+    if f"backend {backend}" not in proc.stdout:
+        raise SystemExit(f"{plan.describe()}: asked for backend {backend}, the run says:\n{proc.stdout[-1500:]}"
+                         f"\n{proc.stderr[-1500:]}")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["tokens_per_s_per_device"] for r in recs[warmup:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3-debug")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=5, help="runs per backend per layout (>= 5 for the figure)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="first steps of a run left out of its figure")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    args = ap.parse_args()
+    layouts = args.layouts.split(",")
+    for name in layouts:
+        if name not in LAYOUTS:
+            raise SystemExit(f"--layouts: {name!r} is not one of {', '.join(LAYOUTS)}")
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
+
+    results: dict = {name: {b: [] for b in BACKENDS} for name in layouts}
+    with tempfile.TemporaryDirectory(prefix="bench-backends-") as tmp:
+        for i in range(args.runs):
+            for name in layouts:
+                order = BACKENDS if i % 2 == 0 else BACKENDS[::-1]
+                for backend in order:
+                    tps = run_once(LAYOUTS[name], backend, model=args.model, seq_len=args.seq_len,
+                                   steps=args.steps, warmup=args.warmup, tmp=Path(tmp))
+                    results[name][backend].append(tps)
+                    print(f"run {i + 1}/{args.runs} {name:8s} {backend:10s} {tps:8.1f} tokens/s/device", flush=True)
+    print(f"\n{args.model}, seq {args.seq_len}, local batch {LOCAL_BATCH}, fp32, gloo; median of {args.runs} runs "
+          f"({args.steps} steps, first {args.warmup} left out), tokens/s per device:")
+    for name in layouts:
+        print(f"  {name:8s} " + "  ".join(f"{b} {statistics.median(results[name][b]):8.1f}" for b in BACKENDS))
+    print("spmd_types / dtensor: " + ", ".join(
+        f"{name} {statistics.median(results[name]['spmd_types']) / statistics.median(results[name]['dtensor']):.3f}x"
+        for name in layouts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""One forward/backward on the ``spmd_types`` backend: typed batch, typed loss, optional checker.
+
+The batch is Varying (V) on the data-parallel axes and Replicate (R) on ``tp``; the
+loss is the mean token cross-entropy (vocab-parallel under TP,
+``spmd_tensor_parallel.vocab_parallel_cross_entropy``), Invariant on tp, and is
+declared a pending sum (V -> P) on the dp axes before ``backward()``.
+
+``train.spmd_typecheck=true`` runs each micro-batch under the ``spmd_types`` checker
+(``spmd_types.checker.typecheck``, permissive: tensors made inside the model from
+``arange`` are inferred R): a missing or wrong collective raises ``SpmdTypeError``
+naming the op and the axis, on the first step.  Off by default (the checker is a
+TorchFunctionMode: it costs dispatch time), the same code runs in erasure mode.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import spmd_types as spmd
+
+from .fsdp import DP_AXES, spmd_loss, spmd_typecheck
+from .spmd_tensor_parallel import vocab_parallel_cross_entropy
+from .tensor_parallel import cross_entropy
+
+
+def spmd_mesh(meshes, plan) -> DeviceMesh | None:
+    """The SPMD mesh FSDP stores typed parameters on: the dp axes of size > 1, plus ``tp`` when tp > 1
+    (then with a one-rank ``dp_shard`` if there is no dp axis, so FSDP has an axis to shard on)."""
+    if plan.tp == 1:
+        return meshes.spmd_dp
+    names = [a for a in DP_AXES if getattr(plan, a) > 1] or ["dp_shard"]
+    return meshes.world[(*names, "tp")]
+
+
+def _types(mesh: DeviceMesh, **by_axis) -> dict:
+    """{MeshAxis: type} for the named axes of `mesh` (dp axes -> by_axis['dp'], tp -> by_axis['tp'])."""
+    return {spmd.MeshAxis.of(mesh.get_group(n)): by_axis["tp" if n == "tp" else "dp"] for n in mesh.mesh_dim_names}
+
+
+def forward_backward(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, meshes, plan, *,
+                     typecheck: bool) -> torch.Tensor:
+    """Gradients of the mean loss of this rank's batch (gradient accumulation over
+    ``plan.n_microbatches``); returns that loss, a plain tensor."""
+    mesh = spmd_mesh(meshes, plan)
+    dp_mesh = meshes.world[tuple(n for n in mesh.mesh_dim_names if n != "tp")]
+    batch_types = _types(dp_mesh, dp=spmd.V)
+    n = plan.n_microbatches
+    total = torch.zeros((), device=tokens.device)
+    for tok, lab in zip(tokens.chunk(n), labels.chunk(n)):
+        with spmd_typecheck() if typecheck else contextlib.nullcontext():
+            for t in (tok, lab):
+                spmd.assert_type(t, _types(mesh, dp=spmd.V, tp=spmd.R))
+            logits = model(tok)
+            if plan.tp > 1:
+                loss = vocab_parallel_cross_entropy(logits, lab, meshes.tp, batch_types) / n
+            else:
+                loss = cross_entropy(logits, lab) / n
+            spmd_loss(loss, dp_mesh).backward()
+        total += loss.detach().float()
+    return total
+
+
+__all__ = ["forward_backward", "spmd_mesh"]

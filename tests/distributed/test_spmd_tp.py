@@ -1,0 +1,154 @@
+"""Tensor parallel + sequence parallel on both backends: spmd_types (local SPMD, typed collectives) and dtensor.
+
+Each layout runs on each backend and matches the single-process run (loss and grad norm per
+step within 1e-4 relative); the two backends match each other within 1e-5.  A single-process
+fake-process-group test shows the checker (``train.spmd_typecheck``) names a collective that
+a TP block is missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmd_types as spmd
+from cost_models.specs import load_model
+from executor.mesh import build_meshes
+from executor.parallel import spmd_step, spmd_tensor_parallel
+from executor.parallel import fsdp
+from executor.parallel.fsdp import spmd_fsdp_supported
+from executor.parallel.parallelize import Precision, build_model_parts, resolve_backend, spmd_plan_unsupported
+from executor.parallel.spmd_tensor_parallel import BLOCK_SHARDING, BOUNDARY_OPS
+from search_spaces.plan import Plan
+from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
+
+needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
+LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2)}
+_RUNS: dict = {}
+
+
+def _run(layout: str, backend: str):
+    key = (layout, backend)
+    if key not in _RUNS:
+        plan = dataclasses.replace(LAYOUTS[layout], backend=backend)
+        run, _ = assert_matches_single_process(plan)
+        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
+        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
+        _RUNS[key] = run
+    return _RUNS[key]
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("backend", ["spmd_types", "dtensor"])
+def test_tp_matches_single_process(layout, backend):
+    _run(layout, backend)
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_backends_match_each_other(layout):
+    a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
+    assert_close_per_step(a.losses, b.losses, 1e-5, "loss (spmd_types vs dtensor)")
+    assert_close_per_step(a.grad_norms, b.grad_norms, 1e-5, "grad norm (spmd_types vs dtensor)")
+
+
+# --------------------------------------------------------------------------- the checker (one process, fake PG)
+def _checker_case(skip_reduce_scatter: bool) -> str:
+    """One typechecked TP step of llama3-debug at tp=2 on a fake process group (rank 0 of 2), in a fresh
+    process (FSDP's spmd_types restore does not tell a second model's meshes from the first's).
+    With `skip_reduce_scatter` the attention output projection skips the SP reduce-scatter (a
+    test-only boundary that only keeps this rank's sequence chunk).  Returns "ok" or the error."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # test-only fake process group
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    plan = Plan(tp=2, microbatch=2)
+    if skip_reduce_scatter:
+        BOUNDARY_OPS["skip_reduce_scatter"] = lambda x, tp: x.chunk(tp.size, 1)[tp.rank]
+        spmd_tensor_parallel.BLOCK_SHARDING = {**BLOCK_SHARDING, "attention.wo": dataclasses.replace(
+            BLOCK_SHARDING["attention.wo"], output="skip_reduce_scatter")}
+    meshes = build_meshes(plan, "cpu")
+    stages = build_model_parts(load_model("llama3-debug"), plan, meshes,
+                               precision=Precision(torch.float32, torch.float32), backend="spmd_types",
+                               device=torch.device("cpu"))
+    tok = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        loss = spmd_step.forward_backward(stages[0][1], tok, tok.roll(-1, 1), meshes, plan, typecheck=True)
+    except spmd.SpmdTypeError as e:
+        return f"SpmdTypeError: {e}"
+    assert torch.isfinite(loss)
+    return "ok"
+
+
+def _in_fresh_process(skip_reduce_scatter: bool) -> str:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_checker_case, skip_reduce_scatter).result(timeout=600)
+
+
+@needs_spmd
+def test_checker_accepts_the_tp_tables():
+    assert _in_fresh_process(False) == "ok"
+
+
+@needs_spmd
+def test_checker_names_a_skipped_sequence_parallel_reduce_scatter():
+    # the projection's output stays a pending sum (P) and meets the sequence-sharded (V) residual:
+    # the checker names the types, the op (the residual add) and the collective that was missing
+    msg = _in_fresh_process(True)
+    assert msg.startswith("SpmdTypeError: Partial type on axis"), msg
+    assert "cannot combine with Varying" in msg and "reduce_scatter" in msg and "In add(" in msg, msg
+
+
+# --------------------------------------------------------------------------- which backend a plan gets
+class _Meshes:
+    spmd_dp = object()        # resolve_backend only asks whether a data-parallel axis exists
+
+
+@pytest.mark.parametrize("plan, missing", [
+    (Plan(pp=2, tp=2, microbatch=1, n_microbatches=2), "pipeline parallel"),
+    (Plan(cp=2, tp=2), "context parallel"),
+    (Plan(dp_shard=2, tp=2, compile=True), "compile"),
+    (Plan(dp_shard=2, float8=True), "float8"),
+])
+def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missing, capsys):
+    assert resolve_backend(plan, _Meshes(), announce=True) == "dtensor"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: "), err
+    assert missing in err[0], err
+
+
+@needs_spmd
+def test_tp_and_fsdp_plans_get_spmd_types_silently(capsys):
+    for plan in (Plan(tp=2), Plan(dp_shard=2, tp=2), Plan(dp_replicate=2, dp_shard=2)):
+        assert resolve_backend(plan, _Meshes(), announce=True, spec=load_model("llama3-debug")) == "spmd_types"
+    assert resolve_backend(Plan(tp=2, backend="dtensor"), _Meshes(), announce=True) == "dtensor"
+    assert capsys.readouterr().err == ""
+
+
+def test_mla_and_moe_under_tp_name_the_missing_table(capsys):
+    for model in ("deepseek-debug", "moe-debug"):
+        spec = load_model(model)
+        assert "no spmd_types TP sharding table" in spmd_plan_unsupported(Plan(tp=2), spec)
+        assert spmd_plan_unsupported(Plan(dp_shard=2), spec) is None
+
+
+def test_torch_without_spmd_fsdp_names_its_version(monkeypatch):
+    def fully_shard_2_13(module, *, mesh=None, reshard_after_forward=None, mp_policy=None):   # no dp_mesh_dims
+        raise AssertionError("not called")
+    monkeypatch.setattr(fsdp, "fully_shard", fully_shard_2_13)
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    reason = fsdp.spmd_fsdp_supported()
+    assert reason.startswith("torch 2.13.0 has no spmd_types FSDP2") and "2.14" in reason, reason
+
+
+@needs_spmd
+@pytest.mark.distributed
+def test_the_typecheck_switch_runs_tp_steps_under_the_checker():
+    run = run_titan(Plan(tp=2, microbatch=4), steps=2, extra={"train.spmd_typecheck": True})
+    assert "backend spmd_types" in run.proc.stdout, run.proc.stdout[-2000:]
+    assert_close_per_step(run.losses, _run("tp2", "spmd_types").losses[:2], 1e-6, "loss (checker on vs off)")
