@@ -3,15 +3,16 @@
     titan-plan --model hf:path/to/Llama-3.2-1B          # cost_models.specs.load_model("hf:...")
     titan-run --set model=hf:path/to/Llama-3.2-1B
 
-Supported: ``LlamaForCausalLM`` (model_type ``llama``) and the same decoder under
-``MistralForCausalLM`` without a sliding window: GQA (``num_key_value_heads``),
+Supported: ``LlamaForCausalLM`` (model_type ``llama``), the same decoder under
+``MistralForCausalLM`` without a sliding window, and ``MixtralForCausalLM`` (its router is the
+executor's MoE with ``score_func: softmax, route_norm: true``: softmax over all experts, top-k,
+renormalised; SwiGLU experts, no shared expert): GQA (``num_key_value_heads``),
 ``head_dim``, SwiGLU (``hidden_act: silu``), RMSNorm (``rms_norm_eps``), RoPE
 (``rope_theta``; ``rope_scaling`` of rope_type ``default`` or ``llama3``, in the
 transformers 4 form ``rope_theta`` + ``rope_scaling`` or the transformers 5 form
 ``rope_parameters``), ``tie_word_embeddings``, ``max_position_embeddings``.
-Everything else -- another architecture (Mixtral and Qwen-MoE route
-differently from the executor's MoE: no renormalised softmax over all experts
-plus shared-expert gating), biases, another activation, another rope type -- is
+Everything else -- another architecture (e.g. Qwen2-MoE: its shared expert has a
+sigmoid gate the executor's MoE lacks), biases, another activation, another rope type -- is
 refused in one line naming the key, its value and what is allowed.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 from search_spaces.typed import InputError
 
 PREFIX = "hf:"
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "mixtral")
 ROPE_TYPES = ("default", "llama3")
 # keys the executor's Llama cannot express when set to anything but these values
 _MUST_BE = {"attention_bias": (False, None), "mlp_bias": (False, None), "pretraining_tp": (1, None),
@@ -125,6 +126,10 @@ def model_dict(folder: str | Path) -> dict:
          "max_seq_len": _get(cfg, where, "max_position_embeddings", int, 2048),
          "mlp": "swiglu", "norm": "rmsnorm", "attention": "gqa",
          "source": f"{PREFIX}{folder}"}
+    if mtype == "mixtral":       # executor/models/moe.py: softmax -> top-k -> renormalise, SwiGLU experts
+        d.update(n_experts=_get(cfg, where, "num_local_experts"), top_k=_get(cfg, where, "num_experts_per_tok"),
+                 moe_ffn_hidden=d["ffn_hidden"], score_func="softmax", route_norm=True, n_dense_layers=0,
+                 aux_loss_coef=_get(cfg, where, "router_aux_loss_coef", float, 0.0))
     head_dim = _get(cfg, where, "head_dim", int, None)
     if head_dim:
         d["head_dim"] = head_dim
@@ -134,15 +139,23 @@ def model_dict(folder: str | Path) -> dict:
 
 def to_hf_config(spec, *, dtype: str = "float32") -> dict:
     """LlamaConfig fields (transformers 4 form, which transformers 5 still reads) of a dense GQA ModelSpec."""
-    if spec.is_moe or spec.attention != "gqa" or spec.mlp != "swiglu" or spec.norm != "rmsnorm":
-        raise HFConfigError(f"model '{spec.name}': Hugging Face export covers dense Llama models (gqa, swiglu, "
-                            "rmsnorm) only")
+    if spec.attention != "gqa" or spec.mlp != "swiglu" or spec.norm != "rmsnorm" or (spec.is_moe and not mixtral_like(spec)):
+        raise HFConfigError(f"model '{spec.name}': Hugging Face export covers Llama models (gqa, swiglu, rmsnorm) "
+                            "and Mixtral-style MoE (softmax top-k renormalised, no shared or dense layers) only")
     rope_scaling = None
     if spec.rope_scaling == "llama3":
         rope_scaling = {"rope_type": "llama3", "factor": spec.rope_factor,
                         "low_freq_factor": spec.rope_low_freq_factor,
                         "high_freq_factor": spec.rope_high_freq_factor,
                         "original_max_position_embeddings": spec.rope_original_max_seq_len}
+    moe = {}
+    if spec.is_moe:
+        if spec.moe_ffn_hidden != spec.ffn_hidden:
+            raise HFConfigError(f"model '{spec.name}': Mixtral has one FFN width: ffn_hidden ({spec.ffn_hidden}) "
+                                f"must equal moe_ffn_hidden ({spec.moe_ffn_hidden})")
+        moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": spec.n_experts,
+               "num_experts_per_tok": spec.top_k, "router_aux_loss_coef": spec.aux_loss_coef,
+               "router_jitter_noise": 0.0, "sliding_window": None}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": spec.dim, "intermediate_size": spec.ffn_hidden, "num_hidden_layers": spec.n_layers,
             "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
@@ -150,4 +163,11 @@ def to_hf_config(spec, *, dtype: str = "float32") -> dict:
             "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta, "rope_scaling": rope_scaling,
             "tie_word_embeddings": bool(spec.tie_embeddings), "hidden_act": "silu", "attention_bias": False,
             "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
-            "use_cache": True, "torch_dtype": dtype}
+            "use_cache": True, "torch_dtype": dtype, **moe}
+
+
+def mixtral_like(spec) -> bool:
+    """An MoE spec whose routing and experts are Mixtral's (what MixtralForCausalLM computes)."""
+    return (spec.is_moe and spec.n_shared_experts == 0 and spec.n_dense_layers == 0 and spec.score_func == "softmax"
+            and spec.route_norm and spec.route_scale == 1.0 and not spec.load_balance_bias
+            and spec.n_expert_groups == 0)

@@ -35,7 +35,9 @@ Llama convention); HF's ``rotate_half`` pairs x[i] with x[i + head_dim/2].
 Export therefore permutes the rows of q_proj and k_proj within each head
 (``w.view(heads, head_dim/2, 2, dim).transpose(1, 2)``, exactly HF's
 ``convert_llama_weights_to_hf.py``), so the exported file gives HF the same
-outputs; import applies the inverse.  Mixture-of-experts models are refused.
+outputs; import applies the inverse.  Mixture-of-experts models: Mixtral-style ones
+(``MixtralForCausalLM``: router ``block_sparse_moe.gate``, per-expert ``experts.E.w1/w2/w3``
+Linear weights <-> our grouped ``experts.w1/w2/w3``); others are refused.
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ _LAYER = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.router.gate.weight": "block_sparse_moe.gate.weight",          # Mixtral
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -107,6 +110,41 @@ def to_hf_rope(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 def from_hf_rope(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     out_dim, dim = w.shape
     return w.view(out_dim // head_dim, 2, head_dim // 2, dim).transpose(1, 2).reshape(out_dim, dim)
+
+
+# Mixtral experts: ours are grouped [E, dim, hidden] (w1, w3) / [E, hidden, dim] (w2) (models/moe.py
+# GroupedExperts); Hugging Face stores one nn.Linear weight per expert, [hidden, dim] / [dim, hidden]
+_OUR_EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def split_experts(fqn: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our grouped expert weight -> Hugging Face's per-expert Linear weights ({} if `fqn` is no expert weight)."""
+    m = _OUR_EXPERTS.match(fqn)
+    if not m:
+        return {}
+    layer, w = m.groups()
+    return {f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight": t[e].T.contiguous()
+            for e in range(t.shape[0])}
+
+
+def merge_experts(loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pops Hugging Face's per-expert weights from `loaded` and returns ours, stacked per layer and matrix."""
+    groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name in [n for n in loaded if _HF_EXPERT.match(n)]:
+        layer, e, w = _HF_EXPERT.match(name).groups()
+        groups.setdefault((layer, w), {})[int(e)] = loaded.pop(name)
+    out = {}
+    for (layer, w), by_e in groups.items():
+        if sorted(by_e) != list(range(len(by_e))):
+            raise CheckpointError(f"layer {layer} {w}: expert weights {sorted(by_e)} are not 0..{len(by_e) - 1}")
+        out[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([by_e[e].T for e in range(len(by_e))]).float().contiguous()
+    return out
+
+
+def _hf_label(fqn: str) -> str:
+    m = _OUR_EXPERTS.match(fqn)
+    return (f"model.layers.{m.group(1)}.block_sparse_moe.experts.*.{m.group(2)}.weight" if m else hf_name(fqn))
 
 
 def _needs_rope_permute(fqn: str) -> bool:
@@ -173,9 +211,10 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _plain_shapes(spec) -> dict[str, torch.Size]:
-    if spec.is_moe:
-        raise CheckpointError(f"model '{spec.name}' is a mixture-of-experts model: safetensors export/import "
-                              "covers dense Llama models only")
+    if spec.is_moe and not hf_config.mixtral_like(spec):
+        raise CheckpointError(f"model '{spec.name}' is a mixture-of-experts model whose routing is not Mixtral's: "
+                              "safetensors export/import covers Llama and Mixtral-style models only (softmax "
+                              "top-k renormalised, no shared experts, no dense layers, no expert bias or groups)")
     if spec.attention != "gqa":
         raise CheckpointError(f"model '{spec.name}' uses {spec.attention} attention: safetensors export/import "
                               "covers Llama (GQA) attention only")
@@ -199,6 +238,10 @@ def _hf_tensors(checkpoint: Path):
     dcp_load(state, checkpoint, no_dist=True)
     tensors = {}
     for fqn, t in state["model"].items():
+        experts = split_experts(fqn, t)
+        if experts:
+            tensors.update(experts)
+            continue
         t = to_hf_rope(t, spec.head_dim) if _needs_rope_permute(fqn) else t
         tensors[hf_name(fqn)] = t.contiguous()
     return spec, meta, tensors
@@ -262,7 +305,11 @@ def import_safetensors(src: Path | list[Path], model: str, out: Path, *, source:
     loaded = _read_safetensors(files)
     if spec.tie_embeddings:   # a tied checkpoint may carry the head too (a copy of the embedding): not a parameter
         loaded.pop("lm_head.weight", None)
-    sd = {}
+    sd = merge_experts(loaded)
+    for fqn, t in sd.items():
+        if fqn not in shapes or tuple(t.shape) != tuple(shapes[fqn]):
+            raise CheckpointError(f"{src}: expert weights {fqn} have shape {tuple(t.shape)}, model '{spec.name}' "
+                                  f"expects {tuple(shapes[fqn]) if fqn in shapes else 'none (not an MoE layer)'}")
     for name, t in loaded.items():
         fqn = our_name(name)
         if fqn not in shapes:
@@ -273,7 +320,7 @@ def import_safetensors(src: Path | list[Path], model: str, out: Path, *, source:
         sd[fqn] = (from_hf_rope(t, spec.head_dim) if _needs_rope_permute(fqn) else t).float().contiguous()
     missing = sorted(set(shapes) - set(sd))
     if missing:
-        raise CheckpointError(f"{src}: missing tensor for '{missing[0]}' ({hf_name(missing[0])}) and "
+        raise CheckpointError(f"{src}: missing tensor for '{missing[0]}' ({_hf_label(missing[0])}) and "
                               f"{len(missing) - 1} more")
     n_tensors = len(sd)
     if spec.tie_embeddings:   # the model's state dict names the shared weight twice (get_state_dict keeps both)

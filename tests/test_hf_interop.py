@@ -187,8 +187,8 @@ def test_bad_hf_inputs_are_one_line_exit_2(tmp_path):
     cases = {}
     moe = tmp_path / "moe"
     moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}))
-    cases["moe"] = (["import", "--hf", str(moe)], "architecture 'MixtralForCausalLM'")
+    (moe / "config.json").write_text(json.dumps({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}))
+    cases["moe"] = (["import", "--hf", str(moe)], "architecture 'Qwen2MoeForCausalLM'")
     yarn = tmp_path / "yarn"
     hf_model(yarn, tied=False, scaling=None)
     _edit_config(yarn, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0})
@@ -225,6 +225,31 @@ def test_bad_hf_inputs_are_one_line_exit_2(tmp_path):
         assert p.returncode == 2 and len(lines) == 1 and want in lines[0], p.stderr
     with pytest.raises(SpecError, match="rope_type 'yarn'"):
         load_model(f"hf:{yarn}")
+
+
+def test_mixtral_round_trips_both_ways(tmp_path):
+    """MixtralForCausalLM = the executor's MoE (softmax over all experts, top-k, renormalised; SwiGLU experts):
+    import -> our logits, and export -> from_pretrained (a MixtralForCausalLM again) -> the same logits."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+    hf = transformers.MixtralForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="30KB")
+    assert cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")).returncode == 0
+    ours = our_model(tmp_path / "ck")
+    assert (ours.spec.n_experts, ours.spec.top_k, ours.spec.moe_ffn_hidden) == (4, 2, 48)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters()) == \
+        param_counts(ours.spec)["total"]
+    p = cli("export", "--checkpoint", str(tmp_path / "ck"), "--hf-dir", str(tmp_path / "out"), "--max-shard-size", "30KB")
+    assert p.returncode == 0, p.stderr
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        ref = hf(tokens()).logits
+        d_import, d_export = (ours(tokens()) - ref).abs().max().item(), (back(tokens()).logits - ref).abs().max().item()
+    print(f"mixtral: import max logit diff {d_import:.2e}, export {d_export:.2e}")
+    assert d_import < 1e-5 and d_export < 1e-5
 
 
 def test_titan_plan_plans_for_an_hf_folder(tmp_path):
