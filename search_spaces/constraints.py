@@ -34,6 +34,7 @@ R_MICRO = "micro-batch count does not suit the pipeline schedule"
 R_STAGES = "stages per rank do not suit the pipeline schedule"
 R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
+R_TIED = "titan-run keeps tied embeddings tied only with tp 1 and pp 1"
 R_MEMORY = "out of memory"
 
 
@@ -50,6 +51,7 @@ class Target:
     seq_len: int
     global_batch: int             # sequences per step
     float8_supported: bool = True
+    tie_embeddings: bool = False
 
     @classmethod
     def of(cls, model: Any, *, world_size: int, seq_len: int, global_batch: int, gpus_per_node: int,
@@ -59,7 +61,8 @@ class Target:
                    n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn_hidden,
                    moe_ffn_hidden=getattr(model, "moe_ffn_hidden", 0) or 0,
                    n_experts=getattr(model, "n_experts", 0) or 0, seq_len=seq_len,
-                   global_batch=global_batch, float8_supported=float8_supported)
+                   global_batch=global_batch, float8_supported=float8_supported,
+                   tie_embeddings=bool(getattr(model, "tie_embeddings", False)))
 
 
 @dataclass(frozen=True)
@@ -148,21 +151,27 @@ BATCH = Rule(
 FLOAT8 = Rule(
     R_FLOAT8, lambda p, t: _not(p.float8) | t.float8_supported,
     lambda p, t: "float8 requested on hardware without float8 GEMMs")
+# titan-run's limit, not a law of the layout (Megatron shares the tied weight across stages): a
+# what-if estimate (runnable=False) skips it, as it skips the pipeline runtime's micro-batch rules
+TIED = Rule(
+    R_TIED, lambda p, t: _not(t.tie_embeddings) | ((p.tp == 1) & (p.pp == 1)),
+    lambda p, t: (f"tp={p.tp}, pp={p.pp}: the model ties its embeddings (tie_embeddings), which titan-run "
+                  "keeps tied only with tp 1 and pp 1"))
 
 PLAN_RULES = (EP_MESH, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
 RUNTIME_RULES = (MICRO_COUNT, MICRO_ROUNDS)
-TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8)
+TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8, TIED)
 
 
 CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, EP_MESH, BATCH, MICRO_COUNT, MICRO_ROUNDS,
-               FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
+               FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED)
 assert set(CHECK_ORDER) == set(PLAN_RULES + RUNTIME_RULES + TARGET_RULES)
 
 
 def rules(*, tp_within_node: bool = True, runnable: bool = True) -> tuple[Rule, ...]:
     """Every rule, in the order `check_plan` reports them."""
     return tuple(r for r in CHECK_ORDER if (tp_within_node or r is not TP_NODE)
-                 and (runnable or r not in RUNTIME_RULES))
+                 and (runnable or (r not in RUNTIME_RULES and r is not TIED)))
 
 
 def check_plan(plan: Any, t: Target, *, tp_within_node: bool = True,

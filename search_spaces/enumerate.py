@@ -92,7 +92,7 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
     n_layouts = len(d["dp_shard"])
     # one stage per rank for now: the pipeline-length rule is checked again once stages_per_rank is known
     view = Columns({**d, "stages_per_rank": np.ones(n_layouts, dtype=np.int64)})
-    stage1 = (C.TP_SHAPE,) + ((C.TP_NODE,) if space.tp_within_node else ()) + (C.PP_LAYERS, C.SEQ)
+    stage1 = (C.TP_SHAPE,) + ((C.TP_NODE,) if space.tp_within_node else ()) + (C.PP_LAYERS, C.SEQ, C.TIED)
     good = keep(view, stage1, "layouts")
     d = {k: v[good] for k, v in d.items()}
 

@@ -1,6 +1,8 @@
 """Plan, search spaces and the vectorized enumerator (property tests against brute force)."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import types
 
@@ -200,6 +202,7 @@ def test_each_rule_is_the_same_on_one_plan_and_on_columns():
         t = Target.of(m, world_size=int(rng.choice([8, 16, 64])), seq_len=int(rng.choice([6, 16, 48])),
                       global_batch=int(rng.choice([4, 8, 96])), gpus_per_node=int(rng.choice([2, 8])),
                       float8_supported=bool(rng.integers(2)))
+        t = dataclasses.replace(t, tie_embeddings=bool(rng.integers(2)))
         for rule in C.CHECK_ORDER:
             col = np.broadcast_to(rule.ok(table, t), (len(plans),))
             one = [bool(rule.ok(p, t)) for p in plans]
@@ -272,3 +275,17 @@ def test_one_printer():
     p = Plan(dp_replicate=2, dp_shard=4, pp=2, tp=2, microbatch=2, n_microbatches=4, schedule="Interleaved1F1B",
              stages_per_rank=2, ac="full", reshard_after_forward=False, compile=True)
     assert p.describe() == "rep2·fsdp4·pp2·tp2 mb2x4 Interleaved1F1B/v2 ac:full noreshard compile"
+
+
+def test_tied_embeddings_keep_the_search_to_tp1_pp1_but_not_a_what_if():
+    """titan-run keeps tied embeddings tied only with tp 1 and pp 1: the search proposes nothing else."""
+    m = _model(8, 8, 1, 16)
+    m.tie_embeddings = True
+    t = Target.of(m, world_size=8, seq_len=16, global_batch=16, gpus_per_node=8)
+    assert t.tie_embeddings
+    plans = enumerate_plans(load_space("dense"), t)
+    table = plans.table
+    assert len(table) > 0 and (np.asarray(table.tp) == 1).all() and (np.asarray(table.pp) == 1).all()
+    p = Plan(dp_shard=4, tp=2, microbatch=4)
+    assert [r for r, _ in check_plan(p, t)] == [C.R_TIED]
+    assert check_plan(p, t, runnable=False) == []
