@@ -26,7 +26,7 @@ from search_spaces.plan import Plan
 
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 from .elastic import launcher_world, load_elastic_config
-from .faults import expected_failure, print_once
+from .faults import EXIT_PEER_FAILED, expected_failure, peer_failure, print_once
 from .launch import die_with_parent, is_worker, run_torchrun, single_process_env
 
 # This module is the launcher: `titan-run --help` and bad-input errors must not pay for importing
@@ -198,6 +198,10 @@ def worker_main(args) -> int:
         if line is not None:       # the environment refused (a path, permissions, a full disk): one line, exit 2
             print_once(line)
             os._exit(EXIT_BAD_INPUT)
+        if peer_failure(e) and int(os.environ.get("WORLD_SIZE", "1")) > 1:   # another rank failed: it is blamed
+            if run_dir is not None:
+                write_rank_error(run_dir, rank, e)
+            os._exit(EXIT_PEER_FAILED)
         print_error(rank, e)
         if run_dir is not None:
             write_rank_error(run_dir, rank, e)

@@ -38,6 +38,18 @@ EXPECTED_ERRNOS = {
 _SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|file write failed|PytorchStreamWriter failed writing")
 
 
+# a collective that failed because a peer vanished (killed) or never came (stopped, hung): this rank is a victim
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Connection refused|Broken pipe|"
+                        r"Timed out waiting|Socket Timeout|timed out after|operation timed out", re.IGNORECASE)
+EXIT_PEER_FAILED = 3          # a rank that failed only because another one did (launch.torchrun_main blames that one)
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """True when `exc` is a torch.distributed error caused by another rank (gone or silent), not by this one."""
+    return any(type(e).__name__ in ("DistBackendError", "DistNetworkError", "DistError", "RuntimeError")
+               and _PEER_GONE.search(str(e)) for e in _causes(exc))
+
+
 class ExpectedFailure(Exception):
     """An expected failure already put in one line (e.g. by the background checkpoint writer)."""
 

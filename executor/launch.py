@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_BAD_INPUT = 2                # as executor.cli: the workers printed the one line already
+EXIT_PEER_FAILED = 3              # as executor.faults.EXIT_PEER_FAILED: a rank that only lost a peer
 PR_SET_PDEATHSIG = 1              # <linux/prctl.h>
 RDZV_JOIN_TIMEOUT_S = 60.0        # how long a node waits for the others at the rendezvous (default)
 
@@ -131,13 +132,31 @@ def rdzv_timeout_s() -> float:
     return t
 
 
-def _failure_line(e) -> str:
-    """One line for torchrun's ChildFailedError: the first failed rank, its exit code or signal."""
+def _failure_line(e, world: int | None) -> str:
+    """One line for torchrun's ChildFailedError: the rank that failed first on its own (not one that only lost
+    a peer, exit EXIT_PEER_FAILED), its exit code or signal; if every failed rank only lost a peer, the ranks
+    that never failed are the suspects (stopped or hung)."""
+    causes = {r: f for r, f in e.failures.items() if f.exitcode != EXIT_PEER_FAILED}
+    if causes:
+        rank, f = min(causes.items(), key=lambda kv: kv[1].timestamp)
+        code = f.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return (f"titan-run: error: rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}; "
+                f"{len(e.failures)} rank(s) of this node failed")
     rank, f = e.get_first_failure()
-    code = f.exitcode
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    return (f"titan-run: error: rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}; "
-            f"{len(e.failures)} of the ranks failed")
+    silent = sorted(set(range(world)) - set(e.failures)) if world else []
+    who = f"rank(s) {', '.join(map(str, silent))} (stopped or hung?)" if silent else "a rank of another node"
+    return (f"titan-run: error: rank {rank} gave up waiting in a collective for {who}: the process-group timeout "
+            "(train.pg_timeout_s) ran out or the peer vanished")
+
+
+def _local_world(args) -> int | None:
+    """The world size when it is this node's alone (one node), else None."""
+    try:
+        nnodes = str(args.nnodes)
+        return int(args.nproc_per_node) if nnodes.split(":")[-1] == "1" else None
+    except (TypeError, ValueError):
+        return None
 
 
 def torchrun_main(argv: list[str]) -> int:
@@ -154,13 +173,14 @@ def torchrun_main(argv: list[str]) -> int:
     except ChildFailedError as e:
         if e.get_first_failure()[1].exitcode == EXIT_BAD_INPUT:
             return EXIT_BAD_INPUT                    # the first failed rank printed the one line
-        print(_failure_line(e), file=sys.stderr, flush=True)
+        print(_failure_line(e, _local_world(args)), file=sys.stderr, flush=True)
         return 1
     except RendezvousError as e:
         what = f"{args.nnodes} node(s) at the rendezvous {args.rdzv_endpoint}"
         print(f"titan-run: error: gave up waiting for {what} after the join timeout "
-              f"({rdzv_timeout_s():g} s, TITAN_RUN_RDZV_TIMEOUT_S): {type(e).__name__}: "
-              f"{' '.join(str(e).split())[:200]}", file=sys.stderr, flush=True)
+              f"({rdzv_timeout_s():g} s, TITAN_RUN_RDZV_TIMEOUT_S): "
+              f"{': '.join(x for x in (type(e).__name__, ' '.join(str(e).split())[:200]) if x)}",
+              file=sys.stderr, flush=True)
         return 1
     return 0
 
