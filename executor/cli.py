@@ -199,9 +199,7 @@ def worker_main(args) -> int:
             print_once(line)
             os._exit(EXIT_BAD_INPUT)
         if peer_failure(e) and int(os.environ.get("WORLD_SIZE", "1")) > 1:   # another rank failed: it is blamed
-            if run_dir is not None:
-                write_rank_error(run_dir, rank, e)
-            os._exit(EXIT_PEER_FAILED)
+            os._exit(EXIT_PEER_FAILED)     # (no rank error file: a trial's reason is the failed rank's)
         print_error(rank, e)
         if run_dir is not None:
             write_rank_error(run_dir, rank, e)

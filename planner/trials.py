@@ -163,10 +163,17 @@ def run_one(cmd: list[str], run_dir: Path, timeout_s: float,
         if s.get("status"):
             if s["status"] != "ok":
                 errs = s.get("errors") or []
-                s.setdefault("reason", errs[0].get("message", "")[:300] if errs else f"exit {proc.returncode}")
+                s.setdefault("reason", errs[0].get("message", "")[:300] if errs else
+                             _error_line(run_dir / "trial.log") or f"exit {proc.returncode}")
             return s
     tail = (run_dir / "trial.log").read_text(errors="replace").strip().splitlines()[-3:]
     return {"status": "error", "reason": f"exit {proc.returncode}: " + " | ".join(tail)[:300]}
+
+
+def _error_line(log: Path) -> str | None:
+    """The last one-line error titan-run printed (``titan-run: error: ...``), if any."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("titan-run: error:")]
+    return lines[-1][len("titan-run: error:"):].strip()[:300] if lines else None
 
 
 def kill_group(proc: subprocess.Popen) -> None:
