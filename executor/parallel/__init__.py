@@ -8,6 +8,7 @@ to each pipeline stage, in this order:
 =========================  ===============================================
 PP split, schedules        ``pipeline.py``
 TP / SP, loss parallel     ``tensor_parallel.py``
+TP / SP on spmd_types      ``spmd_tensor_parallel.py`` (tables), ``spmd_step.py`` (typed step)
 CP (ring attention)        ``context_parallel.py``, ``ring_attention.py``
 EP (all-to-all experts)    ``expert_parallel.py``
 AC (full, selective)       ``activation_checkpoint.py``

@@ -1,4 +1,7 @@
-"""Tensor parallel with sequence parallel (Megatron-LM style, via DTensor).
+"""Tensor parallel with sequence parallel (Megatron-LM style, via DTensor): the ``dtensor`` backend.
+
+The ``spmd_types`` backend (the default) shards the same modules the same way with plain
+local tensors and typed collectives instead (``spmd_tensor_parallel.py``).
 
 Inside each block the attention projections wq/wk/wv and FFN w1/w3 are
 column-sharded and wo/w2 row-sharded over the ``tp`` mesh (Shoeybi et al.
