@@ -49,8 +49,10 @@ from torch.distributed.device_mesh import DeviceMesh
 import spmd_types as spmd
 
 # spmd_types 0.3 calls funcol.all_gather_tensor / reduce_scatter_tensor, deprecated in torch 2.14: once per
-# collective and process otherwise, on every rank
-warnings.filterwarnings("ignore", category=FutureWarning, module="spmd_types._collectives")
+# collective and process otherwise, on every rank (the call may come through comm_timer's wrapper)
+warnings.filterwarnings("ignore", category=FutureWarning,
+                        message=r"`torch\.distributed\._functional_collectives\.(all_gather_tensor|reduce_scatter_tensor)`"
+                                r" is deprecated")
 
 SEQ_DIM = 1          # [batch, seq, ...]: the sequence-parallel dimension
 

@@ -27,7 +27,8 @@ from search_spaces.plan import Plan
 from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
-LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2)}
+LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
+           "hsdp2xtp2": Plan(dp_replicate=2, tp=2, microbatch=2)}
 _RUNS: dict = {}
 
 
