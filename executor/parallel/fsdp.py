@@ -113,6 +113,9 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
     dims = DataParallelMeshDims(shard="dp_shard" if "dp_shard" in names else None,
                                 replicate="dp_replicate" if "dp_replicate" in names else None)
     mp = _mp_policy(param_dtype, reduce_dtype)
+    if "dp_shard" in names and spmd_mesh.size(names.index("dp_shard")) == 1:
+        # TP without a shard axis (a one-rank dp_shard): resharding would free nothing and cost a second copy
+        reshard_after_forward = False
     for block in model.layers.values():
         fully_shard(block, mesh=spmd_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     dp_mesh_dims=dims)
