@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,17 @@ def rank_pid(tag: str, rank: int, timeout_s: float = 120.0) -> int:
                 return pid
         time.sleep(0.2)
     raise RuntimeError(f"no rank {rank} process of run {tag} after {timeout_s} s")
+
+
+def wait_listening(port: int, timeout_s: float = 120.0) -> None:
+    """Until something accepts connections on 127.0.0.1:`port`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as c:
+            if c.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
 def wait_for_step(run_dir: Path, step: int, timeout_s: float = 180.0) -> None:
@@ -322,8 +334,9 @@ def fault_killed_node(s: Suite) -> Row:
 
 
 def fault_shrunk_world(s: Suite) -> Row:
-    """--nnodes 1:2 --max-restarts 1: one node killed, the other re-plans onto world 1 and finishes; the MFU it
-    logs after the shrink is against the world it runs now (< 100%)."""
+    """--nnodes 1:2 --max-restarts 1: the node that does not host the rendezvous store is killed, the other
+    re-plans onto world 1 and finishes; the MFU it logs after the shrink is against the world it runs now
+    (< 100%).  (Killing the store's host ends the survivor in one line: torchrun's c10d rendezvous lives there.)"""
     from executor.launch import free_port
     port = free_port()
     common = ("--nproc-per-node", "1", "--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint",
@@ -332,6 +345,7 @@ def fault_shrunk_world(s: Suite) -> Row:
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {"TITAN_RUN_RDZV_TIMEOUT_S": str(RDZV_TIMEOUT_S)}
     a, tag = s.start("shrink", run_dir, args=common, extra_env=env)
+    wait_listening(port)          # a hosts the rendezvous store (c10d); b, started after, is the node killed
     b, tag_b = s.start("shrink", run_dir, args=common, extra_env=env)
     label = "killed node, --nnodes 1:2 (survivor re-plans)"
     try:

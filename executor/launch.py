@@ -164,7 +164,8 @@ def torchrun_main(argv: list[str]) -> int:
     die_with_parent()
     os.environ.setdefault("LOGLEVEL", "ERROR")       # torchrun's info/warning chatter off (its own knob)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # torch: launcher path
-    from torch.distributed.elastic.rendezvous.api import RendezvousError  # torch: launcher path
+    from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,  # torch: launcher path
+                                                          RendezvousError)
     from torch.distributed.run import parse_args, run  # torch: launcher path
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # failures: our one line
     args = parse_args(argv)
@@ -174,6 +175,11 @@ def torchrun_main(argv: list[str]) -> int:
         if e.get_first_failure()[1].exitcode == EXIT_BAD_INPUT:
             return EXIT_BAD_INPUT                    # the first failed rank printed the one line
         print(_failure_line(e, _local_world(args)), file=sys.stderr, flush=True)
+        return 1
+    except RendezvousConnectionError:
+        print(f"titan-run: error: lost the rendezvous store at {args.rdzv_endpoint}: the node hosting it (the "
+              "one whose address is the endpoint) is gone; an elastic job survives the loss of the other nodes only",
+              file=sys.stderr, flush=True)
         return 1
     except RendezvousError as e:
         what = f"{args.nnodes} node(s) at the rendezvous {args.rdzv_endpoint}"
