@@ -111,8 +111,10 @@ class Checkpointer:
         self._fingerprint = model_fingerprint(tr.cfg.spec) if self.enabled else None
         if self.enabled and self.rank == 0 and self.folder.is_dir():
             for p in self.folder.glob("step-*.tmp"):   # saves that never completed (a crash)
+                log(f"removing {p}: a save that never completed (the run stopped while writing it)")
                 shutil.rmtree(p, ignore_errors=True)
         self.writer = None
+        self.last_saved: str | None = None
         if self.enabled and t.async_checkpoint:
             self.writer = BackgroundWriter(group=None)   # starts now; resume() waits until it is ready
 
@@ -232,9 +234,15 @@ class Checkpointer:
             if kill:
                 sigkill_self()
             if self.rank == 0:
-                finalize(self.folder, step, tmp, meta, self.keep, t0)
+                self._saved(finalize(self.folder, step, tmp, meta, self.keep, t0))
         self.events.append({"event": "save", "step": step, "async": self.writer is not None, "started_at": started_at,
                             "blocking_seconds": time.perf_counter() - t0})
+
+    def _saved(self, line: dict) -> None:
+        """One line per completed save (rank 0); the newest is named in the run's summary."""
+        self.last_saved = line["path"]
+        log(f"checkpoint step {line['step']} saved: {line['path']} ({line['bytes'] / 2**20:.1f} MiB, "
+            f"{line['seconds']:.2f} s)")
 
     def wait(self) -> None:
         """Block until the pending asynchronous save is written (and visible)."""
@@ -243,6 +251,8 @@ class Checkpointer:
         step, self._pending = self._pending, None
         t0 = time.perf_counter()
         done = self.writer.wait() or {}
+        if self.rank == 0 and done.get("checkpoint"):
+            self._saved(done["checkpoint"])
         self.events.append({"event": "save_done", "step": step, "wait_seconds": time.perf_counter() - t0,
                             "write_seconds": done.get("write_seconds"), "finished_at": done.get("finished_at"),
                             "writer_cpu_seconds": done.get("cpu_seconds"),

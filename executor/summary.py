@@ -38,6 +38,16 @@ def summarize(tr, records: list[dict], hw) -> dict:
     }
 
 
+def summary_line(s: dict, run_dir, last_checkpoint: str | None) -> str:
+    """The run's one closing line: steps, loss, throughput, MFU, peak memory, where things are."""
+    mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+    peak = "-" if not s["peak_memory_bytes"] else f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"
+    loss = "-" if s["final_loss"] is None else f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+    return (f"titan-run: done: {s['steps']} steps, loss {loss}, {s['tokens_per_s']:,.0f} tok/s "
+            f"({s['tokens_per_s_per_device']:,.0f}/dev), mfu {mfu}, peak memory {peak}, run dir {run_dir}, "
+            f"last checkpoint {last_checkpoint or 'none'}")
+
+
 def summarize_moe(steady: list[dict]) -> dict:
     """Medians over the steady steps of the MoE figures, plus the routed tokens of all steps summed."""
     recs = [r["moe"] for r in steady if r.get("moe")]

@@ -52,7 +52,7 @@ from .parallel.context_parallel import cp_shard_batch
 from .parallel import spmd_step
 from .parallel.pipeline import build_schedule
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
-from .summary import summarize, write_rank_file
+from .summary import summarize, summary_line, write_rank_file
 
 COMM_AXES = AXES + FLAT_AXES + ("ep", "efsdp", "world", "self", "other")
 
@@ -288,6 +288,7 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
     write_rank_file(run_dir, rank, tr, records)
     if rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(summary_line(summary, run_dir, ckpt.last_saved), flush=True)
     return summary
 
 
