@@ -163,6 +163,15 @@ def torchrun_main(argv: list[str]) -> int:
     """torchrun in this process: dies with titan-run, ends every failure in one line (no error dump)."""
     die_with_parent()
     os.environ.setdefault("LOGLEVEL", "ERROR")       # torchrun's info/warning chatter off (its own knob)
+    # the agent's C++ store warnings (a vanished peer's socket): off in this process only; c10 reads the
+    # level once, when torch loads, and the workers get the environment as it was
+    cpp_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    import torch  # noqa: F401  torch: launcher path (loaded here so the level above applies to this process)
+    if cpp_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # torch: launcher path
     from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,  # torch: launcher path
                                                           RendezvousError)
