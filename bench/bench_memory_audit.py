@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.layout import RANKS, rank_index  # noqa: E402
 from cost_models.memory import memory_by_rank  # noqa: E402
-from cost_models.specs import Workload, load_hardware, load_model  # noqa: E402
+from cost_models.specs import load_hardware, load_model  # noqa: E402
+from cost_models.workload import Workload  # noqa: E402
 from search_spaces.plan import Plan  # noqa: E402
 from search_spaces.table import CandidateTable  # noqa: E402
 

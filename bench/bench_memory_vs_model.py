@@ -60,7 +60,8 @@ def measure(plan: Plan, model: str, seq_len: int, global_batch: int) -> list[int
 
 def predict(plan: Plan, model: str, seq_len: int, global_batch: int):
     from cost_models.estimate import estimate
-    from cost_models.specs import Workload, load_hardware, load_model
+    from cost_models.specs import load_hardware, load_model
+    from cost_models.workload import Workload
     from search_spaces.table import CandidateTable
     est = estimate(CandidateTable.from_plans([plan]), load_model(model), load_hardware("cpu"),
                    Workload(seq_len=seq_len, global_batch=global_batch, dtype="fp32"))

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
 from cost_models.moe_traffic import ep_all_to_all_bytes  # noqa: E402
-from cost_models.specs import Workload, load_hardware, load_model  # noqa: E402
+from cost_models.specs import load_hardware, load_model  # noqa: E402
+from cost_models.workload import Workload  # noqa: E402
 from search_spaces.plan import Plan  # noqa: E402
 from search_spaces.table import CandidateTable  # noqa: E402
 from tests.distributed.harness import env, titan_run_cmd  # noqa: E402

@@ -15,7 +15,8 @@ ARGS = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "
 
 
 def in_process(repeats: int = 5) -> tuple[float, int, int]:
-    from cost_models.specs import Workload, load_hardware, load_model
+    from cost_models.specs import load_hardware, load_model
+    from cost_models.workload import Workload
     from planner.rank import plan_candidates
     from search_spaces.space import load_space
 

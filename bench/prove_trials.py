@@ -50,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
-from cost_models.specs import Workload, load_hardware, load_model  # noqa: E402
+from cost_models.specs import load_hardware, load_model  # noqa: E402
+from cost_models.workload import Workload  # noqa: E402
 from planner import calibrate as cal  # noqa: E402
 from planner import report  # noqa: E402
 from planner.rank import plan_candidates  # noqa: E402

@@ -72,7 +72,8 @@ from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import GIB, estimate  # noqa: E402
 from cost_models.memory import nccl_buffer_bytes  # noqa: E402
 from cost_models.flops import megatron_flops_per_token  # noqa: E402
-from cost_models.specs import PRESET_DIR, Workload, load_hardware, load_model, model_from_dict  # noqa: E402
+from cost_models.specs import PRESET_DIR, load_hardware, load_model, model_from_dict  # noqa: E402
+from cost_models.workload import Workload  # noqa: E402
 from search_spaces.plan import Plan  # noqa: E402
 from search_spaces.table import CandidateTable  # noqa: E402
 

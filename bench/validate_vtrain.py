@@ -54,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import estimate  # noqa: E402
-from cost_models.specs import Workload, load_hardware, model_from_dict  # noqa: E402
+from cost_models.specs import load_hardware, model_from_dict  # noqa: E402
+from cost_models.workload import Workload  # noqa: E402
 from search_spaces.plan import SCHEDULES, AC_MODES, BACKENDS  # noqa: E402
 from search_spaces.table import CandidateTable  # noqa: E402
 

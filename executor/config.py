@@ -35,7 +35,8 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from cost_models.specs import ModelSpec, SpecError, Workload, load_hardware, load_model
+from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
+from cost_models.workload import Workload
 from search_spaces.constraints import Target, check_plan
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError

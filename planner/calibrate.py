@@ -22,7 +22,8 @@ import numpy as np
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cost_models.coefficients import Coefficients
-from cost_models.specs import HardwareSpec, ModelSpec, SpecError, Workload, load_hardware, load_model
+from cost_models.specs import HardwareSpec, ModelSpec, SpecError, load_hardware, load_model
+from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.planfile import read_plan_file
 from search_spaces.typed import INT_LIMIT, MAX_WORLD_SIZE, InputError, check_keys, show

@@ -8,7 +8,8 @@ import numpy as np
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import Estimates, estimate
-from cost_models.specs import HardwareSpec, ModelSpec, Workload
+from cost_models.specs import HardwareSpec, ModelSpec
+from cost_models.workload import Workload
 from search_spaces import constraints as C
 from search_spaces.enumerate import Enumeration, Rejection, enumerate_plans
 from search_spaces.space import SearchSpace

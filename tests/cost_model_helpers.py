@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from cost_models.estimate import estimate
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from search_spaces import CandidateTable, Plan
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from planner import calibrate as cal
 from planner.cli import main as plan_main
 from planner.rank import plan_candidates

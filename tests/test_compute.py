@@ -6,7 +6,8 @@ import pytest
 
 from cost_models.coefficients import Coefficients, CoefficientsError
 from cost_models.compute import Rates, gemm_time, launch_bound
-from cost_models.specs import Workload, load_hardware
+from cost_models.specs import load_hardware
+from cost_models.workload import Workload
 
 
 def test_gemm_roofline_tiles_waves_and_alignment():

@@ -8,7 +8,8 @@ import pytest
 
 from cost_models.estimate import GIB, Estimates, estimate
 from cost_models.memory import MEMORY_KEYS
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from cost_models.step_time import TIME_KEYS
 from search_spaces import Plan, Target, enumerate_plans, load_space
 from tests.cost_model_helpers import table

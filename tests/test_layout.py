@@ -10,7 +10,8 @@ from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
 from cost_models.layout import (busiest_rank_layers, holds_ends, in_flight_on_rank, layer_mix, rank_index,
                                 rank_layers, stage_layer_counts)
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from executor.dry_run_step import rank_actions
 from executor.parallel.pipeline import split_layers, stage_ids_for_rank
 from search_spaces.plan import Plan

@@ -6,7 +6,8 @@ import pytest
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
 from cost_models.memory import in_flight_microbatches, per_layer_activation_bytes
-from cost_models.specs import Workload, load_hardware, load_model, model_from_dict
+from cost_models.specs import load_hardware, load_model, model_from_dict
+from cost_models.workload import Workload
 from search_spaces import Plan
 from tests.cost_model_helpers import est1, table
 

@@ -15,8 +15,8 @@ from cost_models.coefficients import Coefficients
 from cost_models.estimate import GIB, estimate
 from cost_models.layout import rank_index
 from cost_models.memory import memory_by_rank, nccl_communicators
-from cost_models.specs import (SpecError, Workload, hardware_from_dict, load_hardware, load_model, preset_for_gpu_name,
-                               preset_names)
+from cost_models.specs import SpecError, hardware_from_dict, load_hardware, load_model, preset_for_gpu_name, preset_names
+from cost_models.workload import Workload
 from planner.local import UNKNOWN_GPU_PRESET, detect_local_devices
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable

@@ -179,7 +179,7 @@ def _estimate_json(capsys, *args) -> dict:
 
 
 def test_every_workload_key_has_a_flag_and_reaches_the_cost_model(capsys):
-    from cost_models.specs import Workload
+    from cost_models.workload import Workload
     from planner.inputs import WORKLOAD_KEYS
     assert set(WORKLOAD_KEYS) == {f for f in Workload.__dataclass_fields__}
     base = _estimate_json(capsys, *BASE_8B, "--tp", "2", "--ac", "selective")

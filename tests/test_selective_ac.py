@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from cost_models.memory import FULL, FULL_TP, SCORE, SEQ, SHARD, layer_activation_terms
-from cost_models.specs import Workload, load_model
+from cost_models.specs import load_model
+from cost_models.workload import Workload
 from executor.models.layers import rope_cos_sin
 from executor.models.llama import TransformerBlock
 from executor.parallel.activation_checkpoint import apply_ac

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.specs import SpecError, Workload
+from cost_models.specs import SpecError
+from cost_models.workload import Workload
 
 
 def test_workload_regime_keys_are_validated():

@@ -7,7 +7,8 @@ from cost_models.coefficients import Coefficients
 from cost_models.comm import axis_links
 from cost_models.compute import Rates
 from cost_models.estimate import estimate
-from cost_models.specs import Workload, load_hardware, load_model, model_from_dict
+from cost_models.specs import load_hardware, load_model, model_from_dict
+from cost_models.workload import Workload
 from cost_models.step_time import stage_times
 from search_spaces import Plan
 from tests.cost_model_helpers import est1, table

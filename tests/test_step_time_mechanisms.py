@@ -9,7 +9,8 @@ from cost_models.coefficients import Coefficients
 from cost_models.comm import axis_links, ring_gather_time
 from cost_models.compute import Rates
 from cost_models.memory import rank_params
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 

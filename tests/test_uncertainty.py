@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cost_models.estimate import estimate
-from cost_models.specs import Workload, load_hardware, load_model
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
 from cost_models.uncertainty import (MEMORY_GROUPS, TIME_GROUPS, Spreads, UncertaintyError, bands, load_spreads,
                                      uncovered_at)
 from search_spaces.plan import Plan

@@ -1,0 +1,58 @@
+"""The workload: what is trained per step, and the training code's activation regime.
+
+A data spec like the model and hardware specs (``specs.py``), checked by the typed reader
+(:func:`search_spaces.typed.check_fields`); plan files carry it under ``workload:``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from search_spaces.typed import check_fields
+
+from .specs import _COUNT, _POSITIVE, SpecError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What is trained per step: sequence length and global batch (sequences).
+
+    ``state_layout`` says how parameters, gradients and optimizer states are
+    held: ``fsdp2`` (this project's executor: fp32 master parameters,
+    gradients and AdamW moments, all sharded over the FSDP ranks, with bf16
+    copies gathered per block) or ``megatron`` (bf16 parameters, fp32 main
+    gradients and parameters, AdamW moments: 18 bytes per parameter, replicated
+    over data parallel unless ``zero`` >= 1 shards the optimizer).
+
+    The last four keys describe the training code's activation regime; the defaults are
+    this project's executor (TorchTitan-style).  They exist so that published runs of other
+    frameworks can be expressed: ``attention_impl: materialized`` keeps the s x s softmax
+    scores (Megatron-LM without flash attention; the 5as/h term of Korthikanti et al.
+    2022), ``dropout`` keeps dropout masks, ``sequence_parallel: false`` replicates the
+    norm/dropout activations over TP ranks (Korthikanti Table 2, "tensor parallel"), and
+    ``selective_ac`` says what ``ac: selective`` keeps: ``matmul`` (this executor: every
+    matmul, attention and collective output; pointwise ops are recomputed), ``op``
+    (TorchTitan's per-op policy: every other matmul output and the attention outputs) or
+    ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3).
+    """
+
+    seq_len: int = field(metadata=_POSITIVE)
+    global_batch: int = field(metadata=_POSITIVE)            # sequences per optimizer step
+    dtype: Literal["bf16", "fp32"] = "bf16"                   # compute dtype
+    state_layout: Literal["fsdp2", "megatron"] = "fsdp2"
+    zero: int = field(default=3, metadata=_COUNT)             # megatron layout: 0 nothing sharded, 1 optimizer sharded
+    attention_impl: Literal["fused", "materialized"] = "fused"   # fused: flash / SDPA
+    dropout: bool = False
+    sequence_parallel: bool = True                            # with tp > 1
+    selective_ac: Literal["matmul", "op", "attention"] = "matmul"
+
+    def __post_init__(self) -> None:
+        check_fields(self, where="workload", error=SpecError)
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
