@@ -40,7 +40,6 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     tokens = table.microbatch * s / cp
     sp = tp if workload.sequence_parallel else np.ones(n)
     d_qk, d_k, d_v = attention_dims(model)
-    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
     ac_full, ac_sel = table.is_ac("full"), table.is_ac("selective")
     op_sac = ac_sel & (workload.selective_ac == "op")
     mm_sac = ac_sel & (workload.selective_ac == "matmul")
@@ -48,21 +47,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     compiled = table.compile
     f8 = table.float8
 
-    # attention core (scores and mixing), forward and backward
-    if workload.attention_impl == "fused":
-        a_fwd = 2.0 * tokens * (s / 2) * (d_qk + d_o) / tp / r.attn          # causal half
-        a_bwd = FLASH_BWD * a_fwd
-    else:  # materialized: full s x s batched GEMMs + softmax/dropout traffic (Megatron non-flash)
-        scores = tokens * s * model.n_heads / tp
-        traffic = scores * (4 * r.elt + ((2 * r.elt + 1) if workload.dropout else 0.0))
-        a_fwd = 2.0 * tokens * s * (d_qk + d_o) / tp / r.gemm + traffic / r.mem
-        a_bwd = 4.0 * tokens * s * (d_qk + d_o) / tp / r.gemm + traffic / r.mem   # same traffic backward
-
-    # ring attention merges each step's partial result into fp32 accumulators (out/LSE forward;
-    # dQ, dK, dV backward): read partial, read and write the accumulator, per step after the first
-    merge = (cp - 1) * tokens * (8.0 + r.elt) / tp / r.mem
-    a_fwd = a_fwd + merge * d_o
-    a_bwd = a_bwd + merge * (d_qk + d_k + d_v)
+    a_fwd, a_bwd = attention_core_times(model, workload, r, tokens, tp, cp)
 
     out = {k: np.zeros(n) for k in ("F", "B", "W", "tp_f", "tp_b", "cp_f", "cp_b", "ep_f", "ep_b",
                                      "blockF", "blockBW")}
@@ -139,22 +124,42 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         frac = count / np.maximum(nd + nm, 1)
         out["blockF"] += frac * f
         out["blockBW"] += frac * (b + g_w)
-    # LM head + loss on the last stage (always on the critical rank): the head GEMM on this rank's
-    # vocabulary shard (vocab // tp rows), the fp32 cross-entropy traffic, and the host launches of
-    # the embedding, final norm, head and loss kernels (`head_kernels`), forward and backward
+    for k, v in head_times(model, workload, r, tokens, tp).items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+def attention_core_times(model, workload, r: Rates, tokens, tp, cp):
+    """Forward and backward time of one block's attention core (scores and mixing) per micro-batch."""
+    s = float(workload.seq_len)
+    d_qk, d_k, d_v = attention_dims(model)
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    if workload.attention_impl == "fused":
+        a_fwd = 2.0 * tokens * (s / 2) * (d_qk + d_o) / tp / r.attn          # causal half
+        a_bwd = FLASH_BWD * a_fwd
+    else:  # materialized: full s x s batched GEMMs + softmax/dropout traffic (Megatron non-flash)
+        scores = tokens * s * model.n_heads / tp
+        traffic = scores * (4 * r.elt + ((2 * r.elt + 1) if workload.dropout else 0.0))
+        a_fwd = 2.0 * tokens * s * (d_qk + d_o) / tp / r.gemm + traffic / r.mem
+        a_bwd = 4.0 * tokens * s * (d_qk + d_o) / tp / r.gemm + traffic / r.mem   # same traffic backward
+    # ring attention merges each step's partial result into fp32 accumulators (out/LSE forward;
+    # dQ, dK, dV backward): read partial, read and write the accumulator, per step after the first
+    merge = (cp - 1) * tokens * (8.0 + r.elt) / tp / r.mem
+    return a_fwd + merge * d_o, a_bwd + merge * (d_qk + d_k + d_v)
+
+
+def head_times(model, workload, r: Rates, tokens, tp) -> dict:
+    """LM head + loss on the last stage (always on the critical rank): the head GEMM on this rank's
+    vocabulary shard (vocab // tp rows), the fp32 cross-entropy traffic, and the host launches of
+    the embedding, final norm, head and loss kernels (`head_kernels`), forward and backward."""
     vshard = np.floor(model.vocab_size / tp)
     head_f = gemm_time(tokens, model.dim, vshard, r.gemm, r.mem, r.elt, r.elt, r.sms)
     loss = tokens * model.vocab_size / tp * (36 + 2 * r.elt) / r.mem
     gpu_head = 3 * head_f + loss
     k_head = head_kernels(workload)
     stretch = launch_bound(gpu_head, 3 * k_head * r.launch, r.sharpness) / np.maximum(gpu_head, 1e-30)
-    out["F"] += stretch * (head_f + loss / 3)
-    out["B"] += stretch * (head_f + 2 * loss / 3)
-    out["W"] += stretch * head_f
-    out["head_F"], out["head_B"], out["head_W"] = stretch * (head_f + loss / 3), stretch * (head_f + 2 * loss / 3), \
-        stretch * head_f
-    out["head_BW"] = out["head_B"] + out["head_W"]
-    return out
+    f, b, w = stretch * (head_f + loss / 3), stretch * (head_f + 2 * loss / 3), stretch * head_f
+    return {"F": f, "B": b, "W": w, "head_F": f, "head_B": b, "head_W": w, "head_BW": b + w}
 
 
 def bubble_microbatches(table, F, B, W) -> np.ndarray:
