@@ -21,7 +21,6 @@ exported by the job script), the process is a worker itself.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -30,29 +29,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from search_spaces.lifetime import die_with_parent
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_BAD_INPUT = 2                # as executor.cli: the workers printed the one line already
 EXIT_PEER_FAILED = 3              # as executor.faults.EXIT_PEER_FAILED: a rank that only lost a peer
-PR_SET_PDEATHSIG = 1              # <linux/prctl.h>
 RDZV_JOIN_TIMEOUT_S = 60.0        # how long a node waits for the others at the rendezvous (default)
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies, however it dies (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere).
-
-    Used as a ``preexec_fn`` (planner/trials.py) and at the start of the torchrun wrapper and of each worker.
-    The signal fires when the parent *thread* ends, so children are started from the main thread.  If the
-    parent died before the prctl took effect (re-parented already), exit at once.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0 and (parent == 1 or os.getppid() != parent):
-        os._exit(1)
 
 
 def is_worker() -> bool:

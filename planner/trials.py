@@ -17,31 +17,25 @@ killed at any point resumes where it stopped, and optuna-dashboard opens it.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
-import os
 import shlex
-import socket
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from cost_models.estimate import estimate
-from executor.launch import die_with_parent   # stdlib only: no torch on the planner's path
 from search_spaces.plan import Plan, PlanError
 from search_spaces.planfile import write_plan_file
 from search_spaces.space import KNOB_KEYS
 from search_spaces.table import CandidateTable
 
 from . import report
-from .rank import PlanningError, PlanningResult
+from .study_lock import StudyLock, TrialsError
+from .trial_process import run_one
+from .rank import PlanningResult
 
 # optuna (the 'trials' extra) is imported only where a study runs: it is optional, and slow to import
 
@@ -49,10 +43,6 @@ LAYOUT_KEYS = ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep", "schedule", "
 SAMPLED_KNOBS = ("microbatch", "ac", "reshard_after_forward", "compile")   # the study varies these within a layout
 assert set(SAMPLED_KNOBS) <= set(KNOB_KEYS)
 STUDY_ATTRS = ("model", "hardware", "gpus", "seq_len", "global_batch", "dtype")
-
-
-class TrialsError(PlanningError):
-    """The study cannot be run as asked (storage locked or missing, another model, ...)."""
 
 
 @dataclass
@@ -94,133 +84,6 @@ def launch_command(settings: TrialSettings, plan_file: Path, run_dir: Path, npro
     for s in settings.extra_set:
         cmd += ["--set", s]
     return cmd
-
-
-# The trial's process-group guard (its own session, so it outlives a kill -9 of titan-plan): once titan-plan
-# is gone (this process re-parented), SIGKILL the trial's whole group -- the trial leader itself dies at once
-# by PR_SET_PDEATHSIG, what it started (torchrun, an srun step, ...) is in its group. Ends with the group.
-GROUP_GUARD = """
-import os, signal, sys, time
-planner, pgid = int(sys.argv[1]), int(sys.argv[2])
-while True:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        break
-    if os.getppid() != planner:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
-    time.sleep(0.2)
-"""
-
-
-def run_one(cmd: list[str], run_dir: Path, timeout_s: float,
-            on_step: Callable[[int, float], bool] | None = None) -> dict[str, Any]:
-    """Run a trial command in its own session; kill the whole group on timeout or prune.
-
-    `on_step(step, step_time_s)` is called for each new metrics line; returning
-    True prunes the trial. Returns the summary (with a status always set).
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log = open(run_dir / "trial.log", "w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    guard = subprocess.Popen([sys.executable, "-S", "-c", GROUP_GUARD, str(os.getpid()), str(proc.pid)],
-                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    seen, status = 0, None
-    try:
-        while proc.poll() is None:
-            if time.monotonic() - t0 > timeout_s:
-                status = "timeout"
-                break
-            if on_step is not None:
-                for rec in _new_metrics(run_dir, seen):
-                    seen += 1
-                    if on_step(int(rec.get("step", seen)), float(rec["step_time_s"])):
-                        status = "pruned"
-                        break
-                if status:
-                    break
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
-        guard.kill()
-        guard.wait()
-        log.close()
-    if status:
-        return {"status": status, "reason": f"{status} after {time.monotonic() - t0:.0f} s"}
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        try:
-            s = json.loads(summary_path.read_text())
-        except ValueError:
-            s = {}
-        if s.get("status"):
-            if s["status"] != "ok":
-                errs = s.get("errors") or []
-                s.setdefault("reason", errs[0].get("message", "")[:300] if errs else
-                             _error_line(run_dir / "trial.log") or f"exit {proc.returncode}")
-            return s
-    tail = (run_dir / "trial.log").read_text(errors="replace").strip().splitlines()[-3:]
-    return {"status": "error", "reason": f"exit {proc.returncode}: " + " | ".join(tail)[:300]}
-
-
-def _error_line(log: Path) -> str | None:
-    """The last one-line error titan-run printed (``titan-run: error: ...``), if any."""
-    lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("titan-run: error:")]
-    return lines[-1][len("titan-run: error:"):].strip()[:300] if lines else None
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the trial's whole process group, then SIGKILL what is left."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        if not _group_alive(pgid):
-            break
-    try:
-        os.killpg(pgid, signal.SIGKILL)   # grandchildren that outlived the leader
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _new_metrics(run_dir: Path, seen: int):
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    lines = f.read_text().splitlines()
-    out = []
-    for line in lines[seen:]:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            break                       # a line being written
-        if "step_time_s" in rec:
-            out.append(rec)
-    return out
 
 
 # --------------------------------------------------------------------------- the study
@@ -278,64 +141,6 @@ def open_study(settings: TrialSettings, attrs: dict[str, Any]):
         for k in STUDY_ATTRS:
             study.set_user_attr(k, attrs[k])
     return study
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie is dead
-    except OSError:
-        return True
-
-
-class StudyLock:
-    """One titan-plan per study: a second one on the same study is refused in one line.
-
-    SQLite storage: an flock on ``<db>.<study>.lock`` next to the database (the kernel drops it when the
-    holder dies, however it dies, so a stale lock is taken over). Other storages: the study's user attribute
-    ``in_use_by`` (host, pid); a holder on this host that is no longer alive is taken over.
-    """
-
-    def __init__(self, study, url: str):
-        self.study, self.fd = study, None
-        name = study.study_name
-        if url.startswith("sqlite:///"):
-            path = Path(url[len("sqlite:///"):]).resolve()
-            lock = path.with_name(f"{path.name}.{name}.lock")
-            try:
-                self.fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise TrialsError(f"--storage {url}: cannot create the study lock '{lock}': {e.strerror}") from None
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
-                os.close(self.fd)
-                self.fd = None
-                raise TrialsError(f"study '{name}' in {url} is in use by pid {holder} (lock file {lock})") from None
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
-            return
-        me = {"host": socket.gethostname(), "pid": os.getpid()}
-        other = study.user_attrs.get("in_use_by")
-        if other and other != me and (other.get("host") != me["host"] or _pid_alive(int(other.get("pid", 0)))):
-            raise TrialsError(f"study '{name}' in {url} is in use by pid {other.get('pid')} on {other.get('host')}")
-        study.set_user_attr("in_use_by", me)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)          # drops the flock; the file stays (removing it would race a new holder)
-            self.fd = None
-        elif self.study.user_attrs.get("in_use_by") == {"host": socket.gethostname(), "pid": os.getpid()}:
-            self.study.set_user_attr("in_use_by", None)
 
 
 def _set_constraint(trial, value: float) -> None:

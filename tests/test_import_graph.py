@@ -151,3 +151,14 @@ def test_the_repository_import_graph_is_acyclic():
     assert {"executor.models.layers", "executor.models.mla", "executor.models.moe"} <= g["executor.models.llama"]
     cycle = find_cycle(g)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_arrows_point_one_way():
+    """search_spaces <- cost_models <- planner; the executor reads search_spaces and cost_models (DESIGN)."""
+    allowed = {"search_spaces": {"search_spaces"},
+               "cost_models": {"search_spaces", "cost_models"},
+               "planner": {"search_spaces", "cost_models", "planner"},
+               "executor": {"search_spaces", "cost_models", "executor"}}
+    bad = [(m, d) for m, deps in import_graph().items() for d in deps
+           if m.split(".")[0] in allowed and d.split(".")[0] not in allowed[m.split(".")[0]]]
+    assert bad == []
