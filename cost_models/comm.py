@@ -160,8 +160,8 @@ def axis_links(table, hw, coeffs) -> dict[str, Link]:
         out[a] = group_link(deg[a], stride, hw, coeffs)
         stride = stride * deg[a]
     tp, cp, ep = table.tp, table.cp, table.ep
-    out["fsdp"] = group_link(table.dp_shard * cp, tp, hw, coeffs)
+    out["fsdp"] = group_link(table.fsdp_size, tp, hw, coeffs)
     out["ep"] = group_link(ep, tp, hw, coeffs)
-    out["efsdp"] = group_link(table.dp_shard * cp // ep, ep * tp, hw, coeffs)
-    out["dp"] = group_link(table.dp_replicate * table.dp_shard, cp * tp, hw, coeffs)
+    out["efsdp"] = group_link(table.expert_fsdp_size, ep * tp, hw, coeffs)
+    out["dp"] = group_link(table.dp, cp * tp, hw, coeffs)
     return out
