@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from search_spaces.typed import InputError, from_mapping
+from search_spaces.typed import InputError, check_keys, from_mapping
 from search_spaces.yaml_file import read_yaml, write_text
 
 
@@ -93,13 +93,7 @@ class Coefficients:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "coefficients") -> "Coefficients":
-        if not isinstance(d, Mapping):
-            raise CoefficientsError(f"{where}: expected a mapping of coefficient names to numbers, "
-                                    f"got {type(d).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise CoefficientsError(f"{where}: unknown coefficient '{unknown[0]}' (allowed: {', '.join(known)})")
+        check_keys(d, [f.name for f in dataclasses.fields(cls)], where=where, error=CoefficientsError)
         for k, v in d.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise CoefficientsError(f"{where}: coefficient '{k}' must be a number, got {v!r}")
