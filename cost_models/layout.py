@@ -222,3 +222,18 @@ def rank_params(table, model) -> dict[str, np.ndarray]:
         out[f"{which}_layers"] = (nd, nm)
     out["dense_block"], out["moe_dense_block"], out["moe_expert_block"] = dense_block, moe_dense, moe_expert
     return out
+
+
+def expert_shard_fraction(table, model) -> np.ndarray:
+    """The fraction of a rank's local experts that one expert-FSDP rank stores.
+
+    FSDP2 shards a parameter along dim 0 in equal chunks of ceil(rows / ranks), padding the last
+    ones; an expert weight's dim 0 is the ep-local expert count, so each of the dp_shard*cp/ep
+    expert-FSDP ranks keeps ceil(E_local / efsdp) experts: with fewer local experts than ranks
+    (mixtral-8x7b at ep 8, efsdp 4: 1 expert) every rank keeps them all (the dry run's exact bytes).
+    """
+    if not model.is_moe:
+        return np.zeros(len(table))
+    local = model.n_experts // table.ep
+    efsdp = np.maximum(table.fsdp_size // table.ep, 1)
+    return -(-local // efsdp) / local

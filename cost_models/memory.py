@@ -12,8 +12,8 @@ import numpy as np
 from search_spaces.plan import AC_MODES
 
 from .flops import COL, ROW, attention_dims, layer_matmuls
-from .layout import (RANKS, in_flight_microbatches, in_flight_on_rank, layers_per_rank,  # noqa: F401
-                     rank_index, rank_params)
+from .layout import (RANKS, expert_shard_fraction, in_flight_microbatches, in_flight_on_rank,  # noqa: F401
+                     layers_per_rank, rank_index, rank_params)
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
 
@@ -237,21 +237,6 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- the breakdown
-def expert_shard_fraction(table, model) -> np.ndarray:
-    """The fraction of a rank's local experts that one expert-FSDP rank stores.
-
-    FSDP2 shards a parameter along dim 0 in equal chunks of ceil(rows / ranks), padding the last
-    ones; an expert weight's dim 0 is the ep-local expert count, so each of the dp_shard*cp/ep
-    expert-FSDP ranks keeps ceil(E_local / efsdp) experts: with fewer local experts than ranks
-    (mixtral-8x7b at ep 8, efsdp 4: 1 expert) every rank keeps them all (the dry run's exact bytes).
-    """
-    if not model.is_moe:
-        return np.zeros(len(table))
-    local = model.n_experts // table.ep
-    efsdp = np.maximum(table.fsdp_size // table.ep, 1)
-    return -(-local // efsdp) / local
-
-
 def nccl_communicators(table) -> np.ndarray:
     """NCCL communicators a rank initializes: one per process group of more than one rank that runs a
     collective (executor/mesh.py: the mesh axes, the FSDP group dp_shard x cp, the expert groups, the
@@ -314,7 +299,6 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
                        if model.is_moe else (0.0, 0.0))
     working_set = np.maximum(ws_dense, ws_moe)
     tokens = table.microbatch * workload.seq_len / table.cp
-    logits_one = tokens * model.vocab_size / table.tp * LOGIT_BYTES
     # On the loss stage with pp > 1 the pipeline keeps every in-flight micro-batch's stage output
     # (the logits, e bytes each) for the stage backward, and the loss its fp32 log-softmax output;
     # one micro-batch's logit gradients (8 bytes) join them at the turn.  GPipe keeps all
