@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from search_spaces.plan import SCHEDULES
 
 from .flops import NONE, layer_matmuls, norm_params, param_counts
 
@@ -158,17 +157,16 @@ def in_flight_on_rank(table, rank) -> np.ndarray:
     v = table.stages_per_rank.astype(np.float64)
     nmb = table.n_microbatches.astype(np.float64)
     r = np.broadcast_to(np.asarray(rank, dtype=np.float64), pp.shape)
-    s = table.schedule
     out = np.ones(len(table))
-    g = s == SCHEDULES.index("GPipe")
+    g = table.is_schedule("GPipe")
     out[g] = nmb[g]
-    o = s == SCHEDULES.index("1F1B")
+    o = table.is_schedule("1F1B")
     out[o] = pp[o] - r[o]
-    i = s == SCHEDULES.index("Interleaved1F1B")
+    i = table.is_schedule("Interleaved1F1B")
     out[i] = ((v[i] - 1) * pp[i] + 2 * (pp[i] - 1 - r[i]) + 1) / v[i]
-    z = s == SCHEDULES.index("ZBVZeroBubble")
+    z = table.is_schedule("ZBVZeroBubble")
     out[z] = pp[z]
-    d = s == SCHEDULES.index("DualPipeV")
+    d = table.is_schedule("DualPipeV")
     out[d] = pp[d] + 0.5
     out = np.minimum(out, nmb)
     out[table.pp == 1] = 1.0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from search_spaces.plan import SCHEDULES
 
 from .comm import all_reduce_time, all_to_all_time, axis_links, group_link, link_params, p2p_time, ring_gather_time
 from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, head_kernels, kernels_per_block,
@@ -108,7 +107,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
             # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
             a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),
                                   off_fraction=ib_share(model, table.ep, ep_link.per_node))
-            dual = table.schedule == SCHEDULES.index("DualPipeV")
+            dual = table.is_schedule("DualPipeV")
             exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
             exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
                              (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
@@ -176,11 +175,10 @@ def bubble_microbatches(table, F, B, W) -> np.ndarray:
     pp = table.pp.astype(np.float64) - 1
     v = table.stages_per_rank.astype(np.float64)
     full = F + B + W
-    s = table.schedule
     bub = pp * full / v
-    z = s == SCHEDULES.index("ZBVZeroBubble")
+    z = table.is_schedule("ZBVZeroBubble")
     bub = np.where(z, pp * np.maximum(F + B - 2 * W, 0.0) / 2, bub)
-    d = s == SCHEDULES.index("DualPipeV")
+    d = table.is_schedule("DualPipeV")
     bub = np.where(d, pp * np.maximum(F + 2 * B - W, 0.0) / 2, bub)
     return np.where(table.pp > 1, bub, 0.0)
 
