@@ -324,11 +324,7 @@ def fault_killed_node(s: Suite) -> Row:
     try:
         wait_for_step(run_dir, 2)
     except RuntimeError as e:
-        for q, t in ((a, tag), (b, tag_b)):
-            os.killpg(q.pid, signal.SIGKILL)
-            q.communicate()
-            left_after(t)
-        return Row("killed node (1 of 2 localhost agents)", note=f"setup failed: {e}")
+        return _setup_failed("killed node (1 of 2 localhost agents)", e, (a, tag), (b, tag_b))
     os.kill(b.pid, signal.SIGKILL)           # the node's titan-run; its torchrun and worker die with it
     b.communicate()
     timeout = RDZV_TIMEOUT_S + 90
@@ -336,6 +332,15 @@ def fault_killed_node(s: Suite) -> Row:
     left += left_after(tag_b)
     return Row("killed node hosting the rendezvous (--nnodes 2)", ended, rc != 0 and one_line(rc, err), left,
                None, f"survivor ended {wall:.0f} s after the kill, exit {rc}: {error_lines(err)[-1:]}")
+
+
+def _setup_failed(label: str, e: Exception, *nodes) -> Row:
+    """Kill both localhost 'nodes' of a two-node fault whose setup failed; the row says why."""
+    for q, t in nodes:
+        os.killpg(q.pid, signal.SIGKILL)
+        q.communicate()
+        left_after(t)
+    return Row(label, note=f"setup failed: {e}")
 
 
 def fault_shrunk_world(s: Suite) -> Row:
@@ -356,11 +361,7 @@ def fault_shrunk_world(s: Suite) -> Row:
     try:
         wait_for_step(run_dir, 3)
     except RuntimeError as e:
-        for q, t in ((a, tag), (b, tag_b)):
-            os.killpg(q.pid, signal.SIGKILL)
-            q.communicate()
-            left_after(t)
-        return Row(label, note=f"setup failed: {e}")
+        return _setup_failed(label, e, (a, tag), (b, tag_b))
     os.kill(b.pid, signal.SIGKILL)
     b.communicate()
     ended, rc, _, err, left, wall = s.finish(a, tag, RDZV_TIMEOUT_S + 240)

@@ -41,7 +41,7 @@ from search_spaces.constraints import Target, check_plan
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
-from search_spaces.yaml_file import parse_yaml, read_yaml
+from search_spaces.yaml_file import parse_yaml
 
 from .tokenizer import ByteTokenizer, load_tokenizer
 

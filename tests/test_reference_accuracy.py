@@ -12,25 +12,19 @@ bench, not asserted here (they are the targets of issue 12).
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cost_model_helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
-vr = _load("validate_reference")
-vt = _load("validate_vtrain")
+vr = load_bench("validate_reference")
+vt = load_bench("validate_vtrain")
 REF = vr.reference_dir()
 needs_runs = pytest.mark.skipif(not (REF / "published_runs.yaml").is_file(),
                                 reason=f"reference data not found under {REF} (set TITAN_REFERENCE_DIR)")

@@ -1,8 +1,6 @@
 """Error bands (cost_models/uncertainty.py) and their derivation (bench/derive_uncertainty.py)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,15 +14,11 @@ from cost_models.uncertainty import (MEMORY_GROUPS, TIME_GROUPS, Spreads, Uncert
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 
+from tests.cost_model_helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _spreads(**over) -> Spreads:
@@ -101,7 +95,7 @@ def test_shipped_spreads_load_and_name_what_a_broken_file_lacks(tmp_path):
 
 
 def test_fit_reaches_the_coverage_and_recovers_a_clean_attribution():
-    du = _bench("derive_uncertainty")
+    du = load_bench("derive_uncertainty")
     rng = np.random.default_rng(0)
     w = rng.dirichlet(np.ones(3), size=200)
     a = np.array([0.05, 0.4, 0.0])
@@ -112,7 +106,7 @@ def test_fit_reaches_the_coverage_and_recovers_a_clean_attribution():
     assert np.mean(r <= w @ (q * 0.8)) < 0.9     # and no wider than needed
 
 
-_vr = _bench("validate_reference")
+_vr = load_bench("validate_reference")
 _REF = _vr.reference_dir()
 
 
