@@ -25,7 +25,9 @@ Mapping rules (stated once, applied to every row):
   does not have), their memory is scored.
 * Korthikanti rows: GPT with dropout and materialized (non-flash) attention, as in the paper.
   Other Megatron rows use fused attention and no dropout (their recipes' default).
-* unstated micro-batch -> 1; unstated recompute -> none; pp>1 without vpp -> 1F1B;
+* unstated micro-batch -> 1; pp>1 without vpp -> 1F1B; unstated recompute ("not stated", "per
+  recipe") -> what `titan-plan estimate` does without --ac (planner/whatif.py: choose_ac): the
+  fastest of none / selective / full that fits the device, else the smallest peak;
   vpp -> Interleaved1F1B with stages_per_rank = vpp; FP8/Float8 -> float8=True.
 * unstated seq_len in TorchTitan's async-TP benchmark -> 8192 (the train_configs default, as
   the other TorchTitan rows; its 70B float8 vanilla-TP figure matches Table 4's); those runs
@@ -57,6 +59,7 @@ framework):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import statistics
@@ -74,6 +77,7 @@ from cost_models.memory import nccl_buffer_bytes  # noqa: E402
 from cost_models.flops import megatron_flops_per_token  # noqa: E402
 from cost_models.specs import PRESET_DIR, load_hardware, load_model, model_from_dict  # noqa: E402
 from cost_models.workload import Workload  # noqa: E402
+from planner.whatif import AC_ORDER, choose_ac  # noqa: E402
 from search_spaces.plan import Plan  # noqa: E402
 from search_spaces.table import CandidateTable  # noqa: E402
 
@@ -203,8 +207,9 @@ def build_case(row) -> Case:
     mb = int(par.get("microbatch") or par.get("local_batch") or 1)
     gb = int(par.get("global_batch") or dp * mb)
     text = " ".join(str(par.get(k, "")) for k in ("recompute", "techniques", "precision")).lower()
-    rec = str(par.get("recompute", "none")).lower()
-    ac = "full" if rec.startswith("full") else "selective" if rec.startswith("selective") else "none"
+    rec = str(par.get("recompute", "not stated")).lower()
+    ac = ("full" if rec.startswith("full") else "selective" if rec.startswith("selective")
+          else "none" if rec.startswith("none") else None)         # None: not stated, chosen below
     f8 = ("fp8" in text or "float8" in text)
     if "rowwise" in text:
         raise ValueError("float8 rowwise scaling is a different recipe from the tensorwise float8 the plan models")
@@ -227,8 +232,12 @@ def build_case(row) -> Case:
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
     plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
-                schedule=schedule, stages_per_rank=v, ac=ac, compile=compile_, float8=f8,
+                schedule=schedule, stages_per_rank=v, ac=ac or "none", compile=compile_, float8=f8,
                 reshard_after_forward=reshard)
+    if ac is None:      # recompute not stated: the estimate CLI's choice without --ac
+        plans = [dataclasses.replace(plan, ac=a) for a in AC_ORDER]
+        est = estimate(CandidateTable.from_plans(plans), model, hw, workload, Coefficients().replace(**flags))
+        plan = plans[choose_ac(plans, est)]
     measured = {}
     if "step_time_s" in meas:
         measured["tokens_per_s_per_gpu"] = gb * seq / (float(meas["step_time_s"]) * count)

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                  ("stages-per-rank", "pipeline stages per rank")):
         pe.add_argument(f"--{k}", type=int, help=h)
     pe.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1F1B)")
-    pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default none)")
+    pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default: the fastest of none, "
+                    "selective, full that fits; the choice is printed)")
     pe.add_argument("--reshard", dest="reshard_after_forward", action=argparse.BooleanOptionalAction,
                     default=None, help="FSDP reshard after forward (default yes)")
     pe.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile")

@@ -6,12 +6,21 @@ not necessarily runnable by titan-run: a layout another framework ran with fewer
 micro-batches than torch's schedules accept (e.g. 1F1B, PP 12, 2 micro-batches) is
 predicted, with one line saying that titan-run cannot run that schedule.  The search
 (`titan-plan plan`) keeps that rule.
+
+Activation checkpointing is a knob, not part of the layout: when neither a flag nor the plan
+file gives ``ac``, the estimate is the layout with the setting the search would pick for it
+(:func:`ac_variants`, :func:`choose_ac`: the fastest of none / selective / full that fits the device, else the
+smallest peak), said in one line with each setting's peak.  A published layout whose
+recompute setting is not stated is then judged by whether some setting fits, not by the
+no-recompute peak alone.
 """
 from __future__ import annotations
 
 import json
 
-from cost_models.estimate import estimate
+import numpy as np
+
+from cost_models.estimate import GIB, Estimates, estimate
 from search_spaces import constraints as C
 from search_spaces.plan import PLAN_KEYS, Plan, PlanError
 from search_spaces.table import CandidateTable
@@ -40,14 +49,48 @@ def estimate_layout(args, given: dict) -> dict:
     return layout
 
 
+AC_ORDER = ("none", "selective", "full")      # the settings choose_ac compares, in that order
+
+
+def choose_ac(plans: list[Plan], est: Estimates) -> int:
+    """Index of the plan the search would pick among `plans` (one layout, different ``ac``): the
+    fastest that fits the device, else the one with the smallest peak (ties: the earlier)."""
+    fits = np.flatnonzero(est.fits)
+    if len(fits):
+        return int(fits[np.argmin(est.step_time_s[fits])])
+    return int(np.argmin(est.peak_memory_bytes))
+
+
+def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan") -> list[Plan]:
+    """`layout` completed (a what-if: ``runnable=False``); one plan per setting of :data:`AC_ORDER`
+    when it gives no ``ac``, else just the one."""
+    settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER]
+    return [Plan.complete({**layout, **s}, world_size=world_size, global_batch=global_batch, runnable=False,
+                          where=where) for s in settings]
+
+
+def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs) -> tuple[Plan, Estimates, str | None]:
+    """Estimate `plans` (from :func:`ac_variants`) and keep the one :func:`choose_ac` picks: (plan, its
+    one-row estimate, the one-line note saying what was chosen, or None when there was one plan)."""
+    est = estimate(CandidateTable.from_plans(plans), model, hw, workload, coeffs)
+    if len(plans) == 1:
+        return plans[0], est, None
+    i = choose_ac(plans, est)
+    peaks = ", ".join(f"{p.ac} {est.peak_memory_bytes[j] / GIB:.1f} GiB" for j, p in enumerate(plans))
+    why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
+    note = f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
+    return plans[i], estimate(CandidateTable.from_plans([plans[i]]), model, hw, workload, coeffs), note
+
+
 def cmd_estimate(args) -> int:
     given, d = read_question(args.plan_file, args)
     where = f"{args.plan_file}: plan" if args.plan_file else "plan"
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted
-    plan = Plan.complete(estimate_layout(args, given), world_size=gpus,
-                         global_batch=workload.global_batch, runnable=False, where=where)
+    plans = ac_variants(estimate_layout(args, given), world_size=gpus, global_batch=workload.global_batch,
+                        where=where)
+    plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
                          gpus_per_node=q.gpus_per_node, float8_supported=hw.supports_float8)
@@ -58,15 +101,16 @@ def cmd_estimate(args) -> int:
     not_runnable = [m for r, m in problems if r == C.R_MICRO]
     note = (f"titan-run cannot run this schedule ({not_runnable[0]}); the figures are a what-if"
             if not_runnable else None)
-    est = estimate(CandidateTable.from_plans([plan]), model, hw, workload, q.coeffs)
+    plan, est, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,
-                          "note": note, "predicted": report.predicted(est, 0)}, indent=2))
+                          "note": note, "ac_note": ac_note, "predicted": report.predicted(est, 0)}, indent=2))
         return 0
     print(f"{model.name} on {gpus} x {hw.name}: {plan.layout_str()}  {plan.knobs_str()}")
     print(q.workload_line())
-    if note:
-        print(f"note: {note}")
+    for line in (ac_note, note):
+        if line:
+            print(f"note: {line}")
     print(report.format_breakdown(est, 0))
     return 0

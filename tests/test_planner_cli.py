@@ -281,3 +281,41 @@ def test_rank_by_p90_ranks_and_judges_memory_by_the_conservative_bounds(capsys):
     assert any(r["reason"] == "out of memory (p90 bound)" for r in p90["rejected"])
     r = run_cli("--model", "llama3-8b", "--gpus", "8", "--hardware", "h100-sxm", "--rank-by", "p99")
     assert r.returncode == 2 and "--rank-by" in r.stderr
+
+
+LLAMA3_405B_T4 = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
+                  "--global-batch", "2048", "--tp", "8", "--pp", "16"]     # Llama 3 paper, Table 4
+
+
+def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
+    """A layout that trained (405B, TP 8 x PP 16 on 16,384 GPUs) is not judged by its no-recompute peak:
+    without --ac the estimate takes the setting the search would, and says so with every peak."""
+    chosen = _estimate_json(capsys, *LLAMA3_405B_T4)
+    by_ac = {ac: _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", ac) for ac in ("none", "selective", "full")}
+    fitting = {ac: d for ac, d in by_ac.items() if d["predicted"]["headroom_gib"] >= 0}
+    assert "none" not in fitting and fitting, "the test needs a layout that fits only with recompute"
+    fastest = min(fitting, key=lambda ac: fitting[ac]["predicted"]["step_time_s"])
+    assert chosen["plan"]["ac"] == fastest
+    assert chosen["predicted"] == by_ac[fastest]["predicted"]
+    note = chosen["ac_note"]
+    assert note.startswith(f"ac not given: '{fastest}', the fastest setting that fits")
+    for ac, d in by_ac.items():
+        assert f"{ac} {d['predicted']['peak_memory_gib']:.1f} GiB" in note
+        assert d["ac_note"] is None                           # given: no choice made, no note
+    # a layout that fits without recompute keeps ac none (the fastest)
+    small = _estimate_json(capsys, *BASE_8B, "--tp", "2")
+    assert small["plan"]["ac"] == "none" and small["predicted"] == _estimate_json(
+        capsys, *BASE_8B, "--tp", "2", "--ac", "none")["predicted"]
+    # and the text report prints the note
+    assert main(["estimate", *LLAMA3_405B_T4]) == 0
+    assert f"note: ac not given: '{fastest}'" in capsys.readouterr().out
+
+
+def test_estimate_without_ac_when_nothing_fits_takes_the_smallest_peak(capsys):
+    args = ["--model", "llama3-405b", "--gpus", "8", "--hardware", "h100-sxm", "--seq-len", "8192",
+            "--global-batch", "8"]
+    chosen = _estimate_json(capsys, *args)
+    peaks = {ac: _estimate_json(capsys, *args, "--ac", ac)["predicted"]["peak_memory_gib"]
+             for ac in ("none", "selective", "full")}
+    assert chosen["plan"]["ac"] == min(peaks, key=peaks.get)
+    assert "no setting fits; the smallest peak" in chosen["ac_note"]
