@@ -34,6 +34,10 @@ import yaml
 from cost_models.specs import SpecError, hardware_from_dict, load_hardware
 from search_spaces.yaml_file import write_text
 
+from .progress import Progress
+
+STAGE_PREFIX = "[profile] "   # executor/profile.py prints one such line (rank 0, stderr) per finished stage
+
 RING = {  # op -> (traffic factor of bytes, latency steps) for a group of g ranks
     "all_reduce": (lambda g: 2 * (g - 1) / g, lambda g: 2 * (g - 1)),
     "all_gather": (lambda g: (g - 1) / g, lambda g: g - 1),
@@ -106,20 +110,41 @@ def spec_from_measurements(m: dict[str, Any], *, base: str, name: str) -> dict[s
 
 
 def run_profile(*, nproc: int, out: str, base: str, name: str, quick: bool = False,
-                max_bytes: int = 16 * 2 ** 20, raw_out: str | None = None) -> dict[str, Any]:
+                 max_bytes: int = 16 * 2 ** 20, raw_out: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         raw = raw_out or os.path.join(tmp, "profile.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "executor.profile", "--out", raw, "--max-bytes", str(max_bytes)] + (["--quick"] if quick else [])
         print(f"[titan-plan profile] running {nproc} process(es): GEMMs, memory bandwidth, collectives ...",
               file=sys.stderr, flush=True)
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        if r.returncode or not Path(raw).is_file():
-            tail = "\n".join(r.stderr.strip().splitlines()[-5:])
-            raise RuntimeError(f"profiler run failed (exit {r.returncode}): {tail}")
+        rc, output = _run_with_progress(cmd, stages=len(profile_stages(nproc)))
+        if rc or not Path(raw).is_file():
+            tail = "\n".join(output[-5:])
+            raise RuntimeError(f"profiler run failed (exit {rc}): {tail}")
         m = json.loads(Path(raw).read_text())
     res = spec_from_measurements(m, base=base, name=name)
     write_text(out, "# Written by `titan-plan profile`.\n" + yaml.safe_dump(res["spec"], sort_keys=False),
                error=SpecError, what="hardware spec")   # atomic, through a symlink, never over a device
     res["measurements"] = m
     return res
+
+
+def profile_stages(nproc: int) -> tuple[str, ...]:
+    """What `executor.profile` measures, in order: collectives need a second process."""
+    return ("gemm + memory bandwidth",) + (("collectives",) if nproc > 1 else ())
+
+
+def _run_with_progress(cmd: list[str], *, stages: int) -> tuple[int, list[str]]:
+    """Run the profiler; each of its ``[profile] STAGE: N s`` lines (rank 0, stderr) is one step of the
+    progress. Returns the exit code and every line it printed (stdout and stderr merged)."""
+    lines: list[str] = []
+    with Progress(stages, "titan-plan profile", unit="stage", eta=False) as bar:   # stages differ in length
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.startswith(STAGE_PREFIX) and bar.n < stages:
+                bar.step(line[len(STAGE_PREFIX):].strip())
+        rc = proc.wait()
+    return rc, [ln for ln in lines if ln.strip()]

@@ -33,6 +33,7 @@ from search_spaces.space import KNOB_KEYS
 from search_spaces.table import CandidateTable
 
 from . import report
+from .progress import Progress
 from .study_lock import StudyLock, TrialsError
 from .trial_process import run_one
 from .rank import PlanningResult
@@ -195,28 +196,10 @@ def _measured(t) -> bool:
 
 
 def _run_study(study, res, dists, layouts, ranked, base, plan_inputs, settings, log) -> None:
+    """Ask, answer and measure until `settings.n_trials` points are measured (or the space is exhausted)."""
     from optuna.trial import TrialState
 
-    # trials left RUNNING by a killed titan-plan (the study lock says none is running now): mark failed,
-    # run their points again
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
-        study.enqueue_trial(t.params, skip_if_exists=False)
-    if not study.user_attrs.get("enqueued"):
-        seen = set()
-        for i in ranked:
-            p = res.table.plan(i)
-            params = {"layout": _layout_key(p), **{k: getattr(p, k) for k in SAMPLED_KNOBS}}
-            key = tuple(sorted(params.items()))
-            if params["layout"] in layouts and key not in seen:
-                seen.add(key)
-                study.enqueue_trial(params)
-            if len(seen) >= max(1, settings.n_trials // 2):
-                break
-        study.set_user_attr("enqueued", True)
-
-    nproc = plan_inputs["gpus"]
-    gb = plan_inputs["global_batch"]
+    _resume_and_enqueue(study, res, layouts, ranked, settings)
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
     n_points = int(np.prod([len(d.choices) for d in dists.values()]))
 
@@ -228,60 +211,109 @@ def _run_study(study, res, dists, layouts, ranked, base, plan_inputs, settings, 
     n_done = sum(_measured(t) for t in study.get_trials(deepcopy=False, states=finished))
     if n_done >= settings.n_trials:
         log(f"[trials] study '{study.study_name}' already has {n_done} measured trials; nothing to run")
-    while n_done < settings.n_trials:
-        known = answered()
-        if len(known) >= n_points:
-            log(f"[trials] every one of the {n_points} points of the space is answered; stopping at {n_done} "
-                f"of {settings.n_trials} measurements")
+        return
+    with Progress(settings.n_trials, "trials", unit="trial", initial=n_done) as bar:
+        log = bar.wrap(log)            # log lines above the bar, not through it
+        while n_done < settings.n_trials:
+            known = answered()
+            if len(known) >= n_points:
+                log(f"[trials] every one of the {n_points} points of the space is answered; stopping at "
+                    f"{n_done} of {settings.n_trials} measurements")
+                break
+            trial = study.ask(dists)
+            params = trial.params
+            twin = known.get(tuple(sorted(params.items())))
+            if twin is not None:   # a point already answered: reuse it, spend no budget
+                _answer_from(study, trial, twin)
+                continue
+            try:
+                plan = _plan_from(params["layout"], {k: params[k] for k in SAMPLED_KNOBS},
+                                  plan_inputs["global_batch"], base)
+            except PlanError as e:   # an illegal point: infeasible, pruned, never a measured 0.0
+                _refuse_illegal(study, trial, e)
+                continue
+            status = _measure(study, trial, plan, res, plan_inputs, settings, log,
+                              label=f"{n_done + 1}/{settings.n_trials}")
+            n_done += 1
+            bar.step(f"#{trial.number} {status}")
+
+
+def _resume_and_enqueue(study, res, layouts, ranked, settings) -> None:
+    """Trials left RUNNING by a killed titan-plan (the study lock says none is running now) are marked failed
+    and their points enqueued again; a new study gets the analytic ranking's distinct points first."""
+    from optuna.trial import TrialState
+
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        study.enqueue_trial(t.params, skip_if_exists=False)
+    if study.user_attrs.get("enqueued"):
+        return
+    seen = set()
+    for i in ranked:
+        p = res.table.plan(i)
+        params = {"layout": _layout_key(p), **{k: getattr(p, k) for k in SAMPLED_KNOBS}}
+        key = tuple(sorted(params.items()))
+        if params["layout"] in layouts and key not in seen:
+            seen.add(key)
+            study.enqueue_trial(params)
+        if len(seen) >= max(1, settings.n_trials // 2):
             break
-        trial = study.ask(dists)
-        params = trial.params
-        twin = known.get(tuple(sorted(params.items())))
-        if twin is not None:   # a point already answered: reuse it, spend no budget
-            for k, v in twin.user_attrs.items():
-                trial.set_user_attr(k, v)
-            trial.set_user_attr("duplicate_of", twin.number)
-            _set_constraint(trial, twin.user_attrs.get("constraint", 0.0))
-            if twin.state == TrialState.COMPLETE:
-                study.tell(trial, twin.value)
-            else:
-                study.tell(trial, state=TrialState.PRUNED)
-            continue
-        knobs = {k: params[k] for k in SAMPLED_KNOBS}
-        try:
-            plan = _plan_from(params["layout"], knobs, gb, base)
-        except PlanError as e:   # an illegal point: infeasible, pruned, never a measured 0.0
-            trial.set_user_attr("status", "illegal")
-            trial.set_user_attr("reason", str(e))
-            _set_constraint(trial, 1.0)
-            study.tell(trial, state=TrialState.PRUNED)
-            continue
-        one = estimate(CandidateTable.from_plans([plan]), res.model, res.hw, res.workload, res.coeffs)
-        pred = report.predicted(one, 0)
-        run_dir = Path(settings.run_root) / study.study_name / f"trial{trial.number:04d}"
-        plan_file = run_dir / "plan.yaml"
-        write_plan_file(plan_file, {"model": plan_inputs["model"], "hardware": plan_inputs["hardware"],
-                                    "workload": plan_inputs["workload"], "plan": plan, "predicted": pred})
-        trial.set_user_attr("plan", plan.to_dict())
-        trial.set_user_attr("predicted", pred)
-        log(f"[trials] trial {n_done + 1}/{settings.n_trials} (#{trial.number}): {plan.describe()} "
-            f"(predicted {pred['tokens_per_s']:,.0f} tok/s, {pred['peak_memory_gib']:.2f} GiB)")
-        step_times: dict[int, float] = {}
+    study.set_user_attr("enqueued", True)
 
-        def on_step(step: int, step_time: float) -> bool:
-            step_times[step] = step_time
-            trial.report(step_time and gb * plan_inputs["seq_len"] / step_time, step)
-            return step > 2 and trial.should_prune()
 
-        t0 = time.monotonic()
-        s = run_one(launch_command(settings, plan_file, run_dir, nproc), run_dir, settings.timeout_s, on_step)
-        if s.get("status") == "pruned":
-            timed = [v for k, v in sorted(step_times.items()) if k > 2 and v > 0]   # after the 2 warm-up steps
-            if timed:
-                s["step_time_s"] = float(np.median(timed))
-        record_result(study, trial, s, capacity_bytes=res.est.capacity_bytes,
-                      wall_s=time.monotonic() - t0, run_dir=run_dir, log=log)
-        n_done += 1
+def _answer_from(study, trial, twin) -> None:
+    """A duplicate proposal: the answer of the finished trial `twin`, no run, no budget."""
+    from optuna.trial import TrialState
+
+    for k, v in twin.user_attrs.items():
+        trial.set_user_attr(k, v)
+    trial.set_user_attr("duplicate_of", twin.number)
+    _set_constraint(trial, twin.user_attrs.get("constraint", 0.0))
+    if twin.state == TrialState.COMPLETE:
+        study.tell(trial, twin.value)
+    else:
+        study.tell(trial, state=TrialState.PRUNED)
+
+
+def _refuse_illegal(study, trial, e: PlanError) -> None:
+    from optuna.trial import TrialState
+
+    trial.set_user_attr("status", "illegal")
+    trial.set_user_attr("reason", str(e))
+    _set_constraint(trial, 1.0)
+    study.tell(trial, state=TrialState.PRUNED)
+
+
+def _measure(study, trial, plan: Plan, res, plan_inputs, settings, log, *, label: str) -> str:
+    """Run titan-run on `plan` (pruned from its per-step times), record the result; returns its status."""
+    gb = plan_inputs["global_batch"]
+    one = estimate(CandidateTable.from_plans([plan]), res.model, res.hw, res.workload, res.coeffs)
+    pred = report.predicted(one, 0)
+    run_dir = Path(settings.run_root) / study.study_name / f"trial{trial.number:04d}"
+    plan_file = run_dir / "plan.yaml"
+    write_plan_file(plan_file, {"model": plan_inputs["model"], "hardware": plan_inputs["hardware"],
+                                "workload": plan_inputs["workload"], "plan": plan, "predicted": pred})
+    trial.set_user_attr("plan", plan.to_dict())
+    trial.set_user_attr("predicted", pred)
+    log(f"[trials] trial {label} (#{trial.number}): {plan.describe()} "
+        f"(predicted {pred['tokens_per_s']:,.0f} tok/s, {pred['peak_memory_gib']:.2f} GiB)")
+    step_times: dict[int, float] = {}
+
+    def on_step(step: int, step_time: float) -> bool:
+        step_times[step] = step_time
+        trial.report(step_time and gb * plan_inputs["seq_len"] / step_time, step)
+        return step > 2 and trial.should_prune()
+
+    t0 = time.monotonic()
+    s = run_one(launch_command(settings, plan_file, run_dir, plan_inputs["gpus"]), run_dir, settings.timeout_s,
+                on_step)
+    if s.get("status") == "pruned":
+        timed = [v for k, v in sorted(step_times.items()) if k > 2 and v > 0]   # after the 2 warm-up steps
+        if timed:
+            s["step_time_s"] = float(np.median(timed))
+    record_result(study, trial, s, capacity_bytes=res.est.capacity_bytes,
+                  wall_s=time.monotonic() - t0, run_dir=run_dir, log=log)
+    return s.get("status", "error")
 
 
 def record_result(study, trial, s: dict[str, Any], *, capacity_bytes: float, wall_s: float, run_dir: Path,
