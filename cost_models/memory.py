@@ -60,6 +60,44 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     (this executor) keeps the block input, every matmul, attention and collective output.
     Full keeps the block input (Korthikanti Table 2: 2sbh).
     """
+    if ac == "full":
+        t = np.zeros(5)
+        t[SEQ] = (4.0 if workload.dtype == "fp32" else 2.0) * model.dim
+        return t
+    if ac == "selective" and workload.selective_ac in ("op", "matmul"):
+        return _selective_kept_terms(model, workload, moe, f8_fraction)
+    # no recomputation (or the attention-core policy, which only removes the core's tensors)
+    return _stored_terms(model, workload, moe, ac == "selective", compiled, f8_fraction)
+
+
+def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
+    """`layer_activation_terms` under the 'op' and 'matmul' selective policies: the block input
+    and the saved matmul (attention, collective) outputs."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    fused = workload.attention_impl == "fused"
+    dtensor = workload.state_layout == "fsdp2"
+    row_out = FULL if dtensor else SEQ                # a row-parallel matmul's output
+    t = np.zeros(5)
+    every = workload.selective_ac == "matmul"
+    t[SEQ] = e * h                                    # block input
+    for i, m in enumerate(layer_matmuls(model, moe)):
+        if i % 2 and not every:                       # 'op': 2nd, 4th, ... matmuls are recomputed
+            continue
+        mult = model.top_k if m.expert else 1.0
+        t[SHARD if m.shard == COL else (row_out if m.shard == ROW else FULL)] += mult * e * m.n
+    if fused:
+        t[SHARD] += e * d_o + 4.0 * model.n_heads
+    if every:                                         # all-gathered QKV and FFN inputs (tp > 1)
+        t[FULL_TP] += 2 * e * h
+    return t
+
+
+def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool,
+                  f8_fraction: float) -> np.ndarray:
+    """`layer_activation_terms` without recomputation: norms, dropout masks, the attention's
+    Q/K/V and core (unless `core_dropped`, the 'attention' policy) and the FFN's tensors."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     h = model.dim
     d_qk, d_k, d_v = attention_dims(model)
@@ -70,26 +108,6 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
     t = np.zeros(5)
     col_in = FULL if dtensor else SEQ                 # where a column-parallel input lives
-    row_out = FULL if dtensor else SEQ                # a row-parallel matmul's output
-
-    if ac == "full":
-        t[SEQ] = e * h
-        return t
-    if ac == "selective" and workload.selective_ac in ("op", "matmul"):
-        every = workload.selective_ac == "matmul"
-        t[SEQ] = e * h                                # block input
-        for i, m in enumerate(layer_matmuls(model, moe)):
-            if i % 2 and not every:                   # 'op': 2nd, 4th, ... matmuls are recomputed
-                continue
-            mult = model.top_k if m.expert else 1.0
-            t[SHARD if m.shard == COL else (row_out if m.shard == ROW else FULL)] += mult * e * m.n
-        if fused:
-            t[SHARD] += e * d_o + 4.0 * model.n_heads
-        if every:                                     # all-gathered QKV and FFN inputs (tp > 1)
-            t[FULL_TP] += 2 * e * h
-        return t
-
-    # -- no recomputation (or the attention-core policy, which only removes the core's tensors)
     if compiled:
         norm_in = e * h                               # fused norm: its input (+ a per-token rstd)
     elif workload.dtype == "bf16":
@@ -106,7 +124,6 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     if dtensor and model.attention != "mla":
         d_k = d_v = d_o
     t[SHARD] = e * (d_qk + d_k + d_v) + lin * d_o     # Q, K, V (RoPE applied) and out-proj input
-    core_dropped = ac == "selective"                  # 'attention' policy
     if fused and not core_dropped:
         # fp32 LSE kept by the SDPA kernel, and its output O.  The flash kernels (CUDA and
         # CPU) write O [b, s, heads, d]-contiguous and return it viewed as [b, heads, s, d], so
@@ -115,20 +132,21 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
         t[SHARD] += 4.0 * model.n_heads + (e * d_o if f8_fraction < 1.0 else 0.0)
     elif not fused and not core_dropped:
         t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
-
-    def ffn(width: float) -> float:
-        if model.mlp == "swiglu":                     # gate, up (+ silu(gate) and product when eager)
-            return 2 * e * width + (0.0 if compiled else (e + lin) * width)
-        return e * width + lin * width                # GeLU input and output (= fc2 input)
-
     if not moe:
-        t[SHARD] += ffn(model.ffn_hidden)
+        t[SHARD] += _saved_ffn_bytes(model, model.ffn_hidden, e, lin, compiled)
     else:
         k = model.top_k
-        t[SHARD] += k * (lin * h + ffn(model.moe_ffn_hidden) + e * h)
+        t[SHARD] += k * (lin * h + _saved_ffn_bytes(model, model.moe_ffn_hidden, e, lin, compiled) + e * h)
         if model.n_shared_experts:
-            t[SHARD] += ffn(model.n_shared_experts * model.moe_ffn_hidden)
+            t[SHARD] += _saved_ffn_bytes(model, model.n_shared_experts * model.moe_ffn_hidden, e, lin, compiled)
     return t
+
+
+def _saved_ffn_bytes(model, width: float, e: float, lin: float, compiled: bool) -> float:
+    """Bytes per token an FFN of hidden `width` keeps (`lin`: bytes of a saved linear input)."""
+    if model.mlp == "swiglu":                         # gate, up (+ silu(gate) and product when eager)
+        return 2 * e * width + (0.0 if compiled else (e + lin) * width)
+    return e * width + lin * width                    # GeLU input and output (= fc2 input)
 
 
 def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
@@ -280,97 +298,18 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     CPU tensors are freed to the system allocator at once, so CPU plans have no fragmentation.
     """
     n = len(table)
-    if hw is not None:
-        caching_allocator = hw.device != "cpu"
-        frag = hw.allocator_fragmentation
-        nccl = nccl_buffer_bytes(table, hw)
-    else:
-        frag = coeffs.allocator_fragmentation if caching_allocator else 0.0
-        nccl = np.zeros(n)
-    # the executor applies FSDP when some rank shares the data-parallel work, or on one rank for
-    # bf16 mixed precision (executor/parallel/__init__.py: uses_fsdp)
-    fsdp_applied = (table.dp_cp > 1) | (workload.dtype != "fp32")
-    e = 4.0 if workload.dtype == "fp32" else 2.0
+    caching_allocator, frag, nccl = _allocator_terms(table, coeffs, caching_allocator, hw)
+    shared = _shared_activation_terms(table, model, workload, coeffs)
     rp = rank_params(table, model)
-    fsdp_group = table.fsdp_size.astype(np.float64)
-    accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1)   # pipelining: no grad sync until last
-    dense_act, ws_dense = per_layer_activation_bytes(table, model, workload, coeffs, moe=False)
-    moe_act, ws_moe = (per_layer_activation_bytes(table, model, workload, coeffs, moe=True)
-                       if model.is_moe else (0.0, 0.0))
-    working_set = np.maximum(ws_dense, ws_moe)
-    tokens = table.microbatch * workload.seq_len / table.cp
-    # On the loss stage with pp > 1 the pipeline keeps every in-flight micro-batch's stage output
-    # (the logits, e bytes each) for the stage backward, and the loss its fp32 log-softmax output;
-    # one micro-batch's logit gradients (8 bytes) join them at the turn.  GPipe keeps all
-    # n_microbatches (measured: 16 x (logits + log-softmax) on the last stage, the first stage
-    # lower by that); the other schedules run the loss stage's backward right after its forward.
-    head_infl = np.where((table.pp > 1) & table.is_schedule("GPipe"), table.n_microbatches, 1.0)
-    logit_kept = 4.0 + np.where(table.pp > 1, e, 0.0)
-    logits_head = tokens * model.vocab_size / table.tp * (head_infl * logit_kept + LOGIT_BYTES - 4.0)
-    head_act = head_activation_bytes(table, model, workload, table.compile)
-    logits_turn = tokens * model.vocab_size / table.tp * (logit_kept + LOGIT_BYTES - 4.0)
-    pipe = pipeline_extra_bytes(table, model, workload)
-
     results = {}
     for which in RANKS:
-        infl = in_flight_on_rank(table, rank_index(table, model, which))
-        dense_p, expert_p, unit = rp[f"{which}_dense"], rp[f"{which}_expert"], rp[f"{which}_unit"]
-        local = dense_p + expert_p
         if workload.state_layout == "fsdp2":
-            shard_p = dense_p / fsdp_group + expert_p * expert_shard_fraction(table, model)
-            params = 4.0 * shard_p                                 # fp32 master copy, sharded
-            grads = np.where(accumulate_unsharded, 4.0 * local, 4.0 * shard_p)
-            optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)
-            rs = unit * (e + 4.0)                                  # unsharded grad + fp32 reduce buffer
-            # parameters stay gathered for the whole step when FSDP does not reshard after forward, when
-            # pipelining defers gradient sync, and under the V schedules, where the executor turns
-            # resharding off (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; pipeline.py)
-            v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
-            keep = accumulate_unsharded | ~table.reshard_after_forward | v_sched
-            gathered = np.where(keep, e * local, 2.0 * e * unit)
-            # Pipelined FSDP (1F1B, GPipe, Interleaved1F1B): the schedule reshards between micro-
-            # batches and re-gathers each block in every backward, with the next block prefetched;
-            # each gather holds its flat all-gather output next to the unsharded copy-out
-            # (measured, fsdp2 x pp2 1F1B on gloo: 4 x 3 MiB of a 3 MiB block at the peak).
-            regather = accumulate_unsharded & ~v_sched & table.reshard_after_forward & (fsdp_group > 1)
-            gathered = np.where(regather, np.maximum(gathered, 4.0 * e * unit), gathered)
-            # The reduce-scatter buffers of a block exist in backward while that block's saved
-            # activations are being freed, so only their excess over one layer's activations
-            # raises the peak (which sits at the forward/backward turn).
-            rs_exposed = np.maximum(0.0, rs - dense_act)
-            fsdp = np.where(fsdp_applied, gathered + rs_exposed, 0.0)
-            # ... but at the loss turn of each micro-batch the blocks are resharded again (reshard after
-            # forward; the schedule turns off only the reshard after backward): the root's head and one
-            # unit are gathered then, not the stage (dry run, llama3-8b pp 2 fsdp 4, loss rank's peak:
-            # 0.98 GiB unsharded = the LM head, of 7.5 GiB kept gathered in backward)
-            fsdp_at_turn = np.where(fsdp_applied & regather, 2.0 * e * unit, fsdp)
-        else:                                                      # Megatron: bf16 params, fp32 main grads
-            dp = table.dp_cp.astype(np.float64)
-            edp = dp / table.ep
-            sh = dense_p / dp + expert_p / edp
-            z = workload.zero
-            master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
-            params = e * (sh if z >= 3 else local)
-            grads = 4.0 * (sh if z >= 2 else local)
-            optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
-            fsdp = fsdp_at_turn = np.zeros(n)
-        nd, nm = rp[f"{which}_layers"]
-        per_mb = nd * dense_act + nm * moe_act
-        has_head = rp[f"{which}_has_head"]
-        per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
-        # Two peak candidates after the last forward: the loss turn (final norm, head input and the
-        # logit tensors of the current micro-batch) and, once those are freed, a block's backward
-        # (`working_set`); the older in-flight micro-batches' head tensors persist in both.
-        turn = np.where(has_head, head_act + logits_turn, 0.0)
-        # On GPU the caching allocator keeps the segments freed by one phase reserved (sized for the
-        # logits, not for a block's tensors), so the reserved peak holds both: there they add up.
-        transient = working_set + turn if caching_allocator else np.maximum(working_set, turn)
-        acts = ((infl * per_mb + working_set + pipe["deferred_w"]
-                + np.where(has_head, (head_infl - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
-                + pipe["sends"] * coeffs.pipeline_buffer_memory_scale)
-        # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
-        turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
-        logits = np.where(has_head, logits_head - logits_turn, 0.0) + turn_excess
+            params, grads, optimizer, fsdp, fsdp_at_turn = _fsdp2_state_bytes(table, model, workload, rp, which,
+                                                                              shared["dense_act"])
+        else:
+            params, grads, optimizer, fsdp, fsdp_at_turn = _megatron_state_bytes(table, workload, rp, which)
+        acts, logits = _activation_bytes(table, model, rp, which, shared, coeffs, caching_allocator,
+                                         fsdp, fsdp_at_turn)
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp) + nccl
         # With one backward pass over the step's activations (pp == 1 with one micro-batch, or
         # GPipe: all forwards first) the activation peak comes at the forward/backward turn, before
@@ -385,3 +324,116 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
         results[which] = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, logits=logits,
                               fsdp_buffers=fsdp, overhead=overhead + np.zeros(n))
     return results
+
+
+def _allocator_terms(table, coeffs, caching_allocator: bool, hw) -> tuple[bool, float, np.ndarray]:
+    """(caching allocator?, its fragmentation, NCCL buffer bytes per rank): see `memory_by_rank`."""
+    if hw is not None:
+        return hw.device != "cpu", hw.allocator_fragmentation, nccl_buffer_bytes(table, hw)
+    return caching_allocator, (coeffs.allocator_fragmentation if caching_allocator else 0.0), np.zeros(len(table))
+
+
+def _shared_activation_terms(table, model, workload, coeffs) -> dict:
+    """The activation and logit terms every pipeline rank shares (before its in-flight count)."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    dense_act, ws_dense = per_layer_activation_bytes(table, model, workload, coeffs, moe=False)
+    moe_act, ws_moe = (per_layer_activation_bytes(table, model, workload, coeffs, moe=True)
+                       if model.is_moe else (0.0, 0.0))
+    tokens = table.microbatch * workload.seq_len / table.cp
+    # On the loss stage with pp > 1 the pipeline keeps every in-flight micro-batch's stage output
+    # (the logits, e bytes each) for the stage backward, and the loss its fp32 log-softmax output;
+    # one micro-batch's logit gradients (8 bytes) join them at the turn.  GPipe keeps all
+    # n_microbatches (measured: 16 x (logits + log-softmax) on the last stage, the first stage
+    # lower by that); the other schedules run the loss stage's backward right after its forward.
+    head_infl = np.where((table.pp > 1) & table.is_schedule("GPipe"), table.n_microbatches, 1.0)
+    logit_kept = 4.0 + np.where(table.pp > 1, e, 0.0)
+    return dict(dense_act=dense_act, moe_act=moe_act, working_set=np.maximum(ws_dense, ws_moe),
+                head_infl=head_infl,
+                logits_head=tokens * model.vocab_size / table.tp * (head_infl * logit_kept + LOGIT_BYTES - 4.0),
+                head_act=head_activation_bytes(table, model, workload, table.compile),
+                logits_turn=tokens * model.vocab_size / table.tp * (logit_kept + LOGIT_BYTES - 4.0),
+                pipe=pipeline_extra_bytes(table, model, workload))
+
+
+def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tuple[np.ndarray, ...]:
+    """(params, grads, optimizer, fsdp buffers, fsdp buffers at the loss turn) of rank `which`
+    under the fsdp2 layout: fp32 master parameters, gradients and AdamW moments, all sharded."""
+    # the executor applies FSDP when some rank shares the data-parallel work, or on one rank for
+    # bf16 mixed precision (executor/parallel/__init__.py: uses_fsdp)
+    fsdp_applied = (table.dp_cp > 1) | (workload.dtype != "fp32")
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    fsdp_group = table.fsdp_size.astype(np.float64)
+    accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1)   # pipelining: no grad sync until last
+    dense_p, expert_p, unit = rp[f"{which}_dense"], rp[f"{which}_expert"], rp[f"{which}_unit"]
+    local = dense_p + expert_p
+    shard_p = dense_p / fsdp_group + expert_p * expert_shard_fraction(table, model)
+    params = 4.0 * shard_p                                 # fp32 master copy, sharded
+    grads = np.where(accumulate_unsharded, 4.0 * local, 4.0 * shard_p)
+    optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)
+    rs = unit * (e + 4.0)                                  # unsharded grad + fp32 reduce buffer
+    # parameters stay gathered for the whole step when FSDP does not reshard after forward, when
+    # pipelining defers gradient sync, and under the V schedules, where the executor turns
+    # resharding off (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; pipeline.py)
+    v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
+    keep = accumulate_unsharded | ~table.reshard_after_forward | v_sched
+    gathered = np.where(keep, e * local, 2.0 * e * unit)
+    # Pipelined FSDP (1F1B, GPipe, Interleaved1F1B): the schedule reshards between micro-
+    # batches and re-gathers each block in every backward, with the next block prefetched;
+    # each gather holds its flat all-gather output next to the unsharded copy-out
+    # (measured, fsdp2 x pp2 1F1B on gloo: 4 x 3 MiB of a 3 MiB block at the peak).
+    regather = accumulate_unsharded & ~v_sched & table.reshard_after_forward & (fsdp_group > 1)
+    gathered = np.where(regather, np.maximum(gathered, 4.0 * e * unit), gathered)
+    # The reduce-scatter buffers of a block exist in backward while that block's saved
+    # activations are being freed, so only their excess over one layer's activations
+    # raises the peak (which sits at the forward/backward turn).
+    rs_exposed = np.maximum(0.0, rs - dense_act)
+    fsdp = np.where(fsdp_applied, gathered + rs_exposed, 0.0)
+    # ... but at the loss turn of each micro-batch the blocks are resharded again (reshard after
+    # forward; the schedule turns off only the reshard after backward): the root's head and one
+    # unit are gathered then, not the stage (dry run, llama3-8b pp 2 fsdp 4, loss rank's peak:
+    # 0.98 GiB unsharded = the LM head, of 7.5 GiB kept gathered in backward)
+    fsdp_at_turn = np.where(fsdp_applied & regather, 2.0 * e * unit, fsdp)
+    return params, grads, optimizer, fsdp, fsdp_at_turn
+
+
+def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, ...]:
+    """As `_fsdp2_state_bytes` for the Megatron layout: bf16 params, fp32 main grads, ZeRO stages."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
+    local = dense_p + expert_p
+    dp = table.dp_cp.astype(np.float64)
+    edp = dp / table.ep
+    sh = dense_p / dp + expert_p / edp
+    z = workload.zero
+    master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
+    params = e * (sh if z >= 3 else local)
+    grads = 4.0 * (sh if z >= 2 else local)
+    optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
+    fsdp = fsdp_at_turn = np.zeros(len(table))
+    return params, grads, optimizer, fsdp, fsdp_at_turn
+
+
+def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, caching_allocator: bool,
+                      fsdp, fsdp_at_turn) -> tuple[np.ndarray, np.ndarray]:
+    """(activations, logits) of rank `which`: its in-flight micro-batches' blocks, the pipeline
+    buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
+    infl = in_flight_on_rank(table, rank_index(table, model, which))
+    pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
+    nd, nm = rp[f"{which}_layers"]
+    per_mb = nd * shared["dense_act"] + nm * shared["moe_act"]
+    has_head = rp[f"{which}_has_head"]
+    per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
+    # Two peak candidates after the last forward: the loss turn (final norm, head input and the
+    # logit tensors of the current micro-batch) and, once those are freed, a block's backward
+    # (`working_set`); the older in-flight micro-batches' head tensors persist in both.
+    turn = np.where(has_head, head_act + shared["logits_turn"], 0.0)
+    # On GPU the caching allocator keeps the segments freed by one phase reserved (sized for the
+    # logits, not for a block's tensors), so the reserved peak holds both: there they add up.
+    transient = working_set + turn if caching_allocator else np.maximum(working_set, turn)
+    acts = ((infl * per_mb + working_set + pipe["deferred_w"]
+            + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
+            + pipe["sends"] * coeffs.pipeline_buffer_memory_scale)
+    # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
+    turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
+    logits = np.where(has_head, shared["logits_head"] - shared["logits_turn"], 0.0) + turn_excess
+    return acts, logits
