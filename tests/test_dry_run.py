@@ -11,7 +11,10 @@ import yaml
 from cost_models.estimate import estimate
 from cost_models.specs import load_hardware, load_model
 from cost_models.workload import Workload
+from planner.dry_run import drop_over_memory, dry_run_candidates, format_row
+from planner.rank import plan_candidates
 from search_spaces.plan import Plan
+from search_spaces.space import load_space
 from search_spaces.table import CandidateTable
 
 
@@ -133,3 +136,63 @@ def test_planner_dry_run_shows_step_peak_for_pp_cp(tmp_path):
     ratio = float(lines[0].rsplit("analytic/dry-run", 1)[1].strip(" )"))
     assert abs(ratio - 1) <= PEAK_TOLERANCE, lines[0]
     assert "2 micro-batches in flight" in lines[0]
+
+
+# ---------------------------------------------------------------------------- the planner's dry run drops over-memory candidates
+DEBUG_WORKLOAD = {"seq_len": 256, "global_batch": 8, "dtype": "fp32"}
+
+
+def _debug_result():
+    return plan_candidates(load_space("dense"), load_model("llama3-debug"), load_hardware("cpu"),
+                           Workload(seq_len=256, global_batch=8, dtype="fp32"), world_size=4,
+                           gpus_per_node=4)      # as titan-plan asks on a CPU host: fp32, one host = one node
+
+
+def test_planner_dry_run_marks_candidates_over_usable_memory():
+    """Two candidates with different simulated step peaks, a usable memory between them: the larger one is
+    dropped (status over_memory, one line naming both figures), the other kept."""
+    res = _debug_result()
+    first = int(res.order[0])
+    layout = res.table.plan(first).layout_str()
+    other = next(int(i) for i in res.order if res.table.plan(int(i)).layout_str() != layout)
+    rows = dry_run_candidates(res, [first, other], model_ref="llama3-debug",
+                              workload=DEBUG_WORKLOAD)
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    peaks = [r["dry_run_peak_bytes"] for r in rows]
+    assert peaks[0] != peaks[1]
+    usable = sum(peaks) / 2
+    marked = drop_over_memory(rows, usable)
+    big, small = (0, 1) if peaks[0] > peaks[1] else (1, 0)
+    assert marked[big]["status"] == "over_memory" and marked[small] == rows[small]
+    line = format_row(marked[big])
+    assert line.startswith("DROPPED: simulated step peak") and "exceeds the usable" in line and "\n" not in line
+    assert f"{usable / 2 ** 20:.1f} MiB" in line
+    assert drop_over_memory(rows, max(peaks)) == rows            # at the limit is not over it
+
+
+def test_planner_dry_run_never_picks_a_candidate_over_memory(tmp_path):
+    """titan-plan --dry-run on a device whose usable memory lies between the top candidate's analytic peak
+    and its simulated one: it is dropped from the ranking in one line and another plan is written."""
+    res = _debug_result()
+    top = int(res.order[0])
+    row = dry_run_candidates(res, [top], model_ref="llama3-debug", workload=DEBUG_WORKLOAD)[0]
+    analytic, simulated = row["analytic_peak_bytes"], row["dry_run_peak_bytes"]
+    if analytic >= simulated:
+        pytest.skip(f"the analytic peak ({analytic / 2**20:.1f} MiB) covers the simulated one "
+                    f"({simulated / 2**20:.1f} MiB): no usable memory lets the first fit and the second not")
+    hw = load_hardware("cpu").to_dict()
+    hw["name"] = "cpu-small"
+    hw["memory_gib"] = hw["memory_reserved_gib"] + (analytic + simulated) / 2 / 2 ** 30
+    hw_file = tmp_path / "hw.yaml"
+    hw_file.write_text(yaml.safe_dump(hw))
+    out = tmp_path / "plan.yaml"
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "--model", "llama3-debug", "--gpus", "4",
+                        "--hardware", str(hw_file), "--seq-len", "256", "--global-batch", "8", "--dry-run", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    dropped = [ln for ln in r.stdout.splitlines() if "DROPPED: simulated step peak" in ln]
+    top_plan = res.table.plan(top)
+    assert len(dropped) == 1 and top_plan.layout_str() in dropped[0], r.stdout
+    assert "[dry run] 1/1" in r.stderr and "over_memory" in r.stderr      # the plain progress line (no TTY)
+    written = yaml.safe_load(out.read_text())["plan"]
+    assert Plan.from_dict(written) != top_plan
