@@ -138,7 +138,7 @@ def test_planner_dry_run_shows_step_peak_for_pp_cp(tmp_path):
     assert "2 micro-batches in flight" in lines[0]
 
 
-# ---------------------------------------------------------------------------- the planner's dry run drops over-memory candidates
+# ------------------------------------------------------------- the planner drops over-memory candidates
 DEBUG_WORKLOAD = {"seq_len": 256, "global_batch": 8, "dtype": "fp32"}
 
 

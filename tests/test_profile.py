@@ -28,8 +28,11 @@ def test_fit_recovers_alpha_beta():
 def test_profile_quick_run_writes_usable_spec(tmp_path, capsys):
     out = tmp_path / "hw.yaml"
     assert main(["profile", "--nproc", "2", "--quick", "--out", str(out), "--base", "cpu", "--name", "cpu-here"]) == 0
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
     assert "all_gather" in text and "wrote" in text
+    # progress without a terminal: one line per finished stage, in order (no bar)
+    stages = [ln for ln in err.splitlines() if ln.startswith("[titan-plan profile] ") and "elapsed" in ln]
+    assert [ln.split()[2:4] for ln in stages] == [["1/2", "gemm"], ["2/2", "collectives:"]], err
     hw = load_hardware(str(out))
     assert hw.name == "cpu-here" and hw.device == "cpu" and hw.gpus_per_node == 2
     assert 0 < hw.peak_tflops_fp32 < 10 and hw.intra_node_bw_gbs > 0

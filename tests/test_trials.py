@@ -6,6 +6,7 @@ writes; the real titan-run trials are in test_trials_real.py.
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sqlite3
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
+from planner.progress import Progress, duration
 from planner.trials import run_one
 
 FAKE = textwrap.dedent("""\
@@ -239,7 +241,11 @@ def test_trials_budget_counts_real_measurements_and_the_printed_name_is_stored(t
 
     storage = f"sqlite:///{tmp_path}/b.db"
     assert main(_plan_args(tmp_path, 6, storage)) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # progress without a terminal: one plain line per measurement, i/N with the time left (no bar)
+    progress = [ln for ln in err.splitlines() if ln.startswith("[trials] ") and "elapsed" in ln]
+    assert [ln.split()[1] for ln in progress] == [f"{i}/6" for i in range(1, 7)], err
+    assert all("ETA" in ln for ln in progress[:-1]) and "ETA" not in progress[-1] and "\r" not in err
     names = [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
     assert names == ["titan-llama3-debug-cpu-2"] and f"study '{names[0]}' in {storage}" in out
     trials = optuna.load_study(study_name=names[0], storage=storage).get_trials()
@@ -295,3 +301,28 @@ def test_three_real_trials_then_calibrate(tmp_path):
                         "--out", str(tmp_path / "cal.yaml")], capture_output=True, text=True, timeout=600)
     assert c.returncode == 0, c.stderr
     assert "3 successful trials" in c.stdout and (tmp_path / "cal.yaml").is_file()
+
+
+# --------------------------------------------------------------------------- progress (planner/progress.py)
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_plain_lines_without_a_terminal_and_a_bar_on_one():
+    plain = io.StringIO()
+    with Progress(3, "trials", unit="trial", initial=1, stream=plain) as bar:
+        bar.write("[trials] a log line")
+        bar.step("#1 ok")
+        bar.step("#2 oom")
+    lines = plain.getvalue().splitlines()
+    assert lines[0] == "[trials] a log line"
+    assert lines[1].startswith("[trials] 2/3 #1 ok (") and "ETA" in lines[1]
+    assert lines[2].startswith("[trials] 3/3 #2 oom (") and "ETA" not in lines[2] and len(lines) == 3
+    tty = _Terminal()
+    with Progress(2, "dry run", unit="candidate", stream=tty) as bar:
+        bar.write("a log line")
+        bar.step("fsdp4: ok")
+    text = tty.getvalue()
+    assert "\r" in text and "1/2" in text and "a log line\n" in text and "[dry run]" not in text
+    assert duration(5) == "5 s" and duration(185) == "3m05s" and duration(3720) == "1h02m"
