@@ -35,97 +35,127 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     n = len(table)
     tp = table.tp.astype(np.float64)
     cp = table.cp.astype(np.float64)
-    s = float(workload.seq_len)
-    tokens = table.microbatch * s / cp
-    sp = tp if workload.sequence_parallel else np.ones(n)
-    d_qk, d_k, d_v = attention_dims(model)
-    ac_full, ac_sel = table.is_ac("full"), table.is_ac("selective")
-    op_sac = ac_sel & (workload.selective_ac == "op")
-    mm_sac = ac_sel & (workload.selective_ac == "matmul")
-    att_sac = ac_sel & (workload.selective_ac == "attention")
-    compiled = table.compile
-    f8 = table.float8
-
-    a_fwd, a_bwd = attention_core_times(model, workload, r, tokens, tp, cp)
-
+    tokens = table.microbatch * float(workload.seq_len) / cp
+    attn = attention_core_times(model, workload, r, tokens, tp, cp)
+    ac_full = table.is_ac("full")
     out = {k: np.zeros(n) for k in ("F", "B", "W", "tp_f", "tp_b", "cp_f", "cp_b", "ep_f", "ep_b",
                                      "blockF", "blockBW")}
-    tp_link, cp_link, ep_link = links["tp"], links["cp"], links["ep"]
-    act_bytes = tokens * model.dim * r.elt
-    # TP with SP (Korthikanti Sec. 4.2.2): per block 2 all-gathers + 2 reduce-scatters forward and
-    # the same backward; without SP 2 all-reduces each way (same volume).  Full AC repeats the
-    # forward's 4; the 'op' policy re-gathers the inputs of recomputed matmuls (2); the 'matmul'
-    # policy keeps the collectives' outputs.  Async TP / Megatron's TP overlap decompose the
-    # collectives and run them under the block's matmuls (Wang et al. 2022, ASPLOS, "Overlap
-    # communication with dependent computation via decomposition"): exposed = max(0, comm -
-    # tp_overlap * matmul time), per block and direction.
-    tp_one = ring_gather_time(tp, act_bytes, tp_link.bw, tp_link.alpha)
-    tp_rec = np.where(ac_full, 4.0, np.where(op_sac, 2.0, 0.0))
+    tp_coll = _tp_collectives(table, model, workload, links["tp"], r, tokens, tp)
+    cp_f, cp_b = _cp_ring_times(model, coeffs, links["cp"], r, tokens, tp, cp, *attn)
+    nd, nm = layer_mix(table, model, first=False)
+    for moe, count in ((False, nd), (True, nm)):
+        if moe and not model.is_moe:
+            continue
+        blk = _block_times(table, model, workload, coeffs, r, moe, tokens, tp, attn, tp_coll)
+        if moe:
+            exp_f, exp_b = _ep_exposed(table, model, hw, coeffs, links["ep"], r, tokens, tp, blk["gpu_f"],
+                                       blk["gpu_b"], workload.sequence_parallel)
+            out["ep_f"] += count * exp_f
+            out["ep_b"] += count * exp_b
+        out["F"] += count * blk["f"]
+        out["B"] += count * blk["b"]
+        out["W"] += count * blk["w"]
+        out["tp_f"] += count * blk["tpf"]
+        out["tp_b"] += count * blk["tpb"]
+        out["cp_f"] += count * cp_f
+        out["cp_b"] += count * np.where(ac_full, cp_f, 0.0) + count * cp_b
+        frac = count / np.maximum(nd + nm, 1)
+        out["blockF"] += frac * blk["f"]
+        out["blockBW"] += frac * (blk["b"] + blk["w"])
+    for k, v in head_times(model, workload, r, tokens, tp).items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+def _tp_collectives(table, model, workload, tp_link, r: Rates, tokens, tp) -> tuple:
+    """(time of one TP collective of a block's activations, collectives recomputed in backward,
+    collective launches per direction).
+
+    TP with SP (Korthikanti Sec. 4.2.2): per block 2 all-gathers + 2 reduce-scatters forward and
+    the same backward; without SP 2 all-reduces each way (same volume).  Full AC repeats the
+    forward's 4; the 'op' policy re-gathers the inputs of recomputed matmuls (2); the 'matmul'
+    policy keeps the collectives' outputs.
+    """
+    op_sac = table.is_ac("selective") & (workload.selective_ac == "op")
+    tp_one = ring_gather_time(tp, tokens * model.dim * r.elt, tp_link.bw, tp_link.alpha)
+    tp_rec = np.where(table.is_ac("full"), 4.0, np.where(op_sac, 2.0, 0.0))
     n_coll = np.where(tp > 1, 4.0 if workload.sequence_parallel else 2.0, 0.0)   # launches per direction
-    # CP ring attention (Liu et al. 2023, arXiv:2310.01889): cp-1 steps, each passing the K/V chunk
-    # forward and K/V plus dK/dV backward, overlapped with the step's attention compute.
+    return tp_one, tp_rec, n_coll
+
+
+def _cp_ring_times(model, coeffs, cp_link, r: Rates, tokens, tp, cp, a_fwd, a_bwd) -> tuple[np.ndarray, np.ndarray]:
+    """Exposed CP ring-attention transfers per block (Liu et al. 2023, arXiv:2310.01889), forward and
+    backward: cp-1 steps, each passing the K/V chunk forward and K/V plus dK/dV backward, overlapped
+    with the step's attention compute."""
+    _, d_k, d_v = attention_dims(model)
     kv_bytes = tokens * (d_k + d_v) / tp * r.elt
     step_f = p2p_time(kv_bytes, cp_link.p2p_bw, cp_link.p2p_alpha)
     step_b = p2p_time(2 * kv_bytes, cp_link.p2p_bw, cp_link.p2p_alpha)
     cp_f = (cp - 1) * np.maximum(0.0, step_f - coeffs.cp_overlap * a_fwd / cp)
     cp_b = (cp - 1) * np.maximum(0.0, step_b - coeffs.cp_overlap * a_bwd / cp)
-    cp_f, cp_b = np.where(cp > 1, cp_f, 0.0), np.where(cp > 1, cp_b, 0.0)
+    return np.where(cp > 1, cp_f, 0.0), np.where(cp > 1, cp_b, 0.0)
 
+
+def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp, attn, tp_coll) -> dict:
+    """One dense or MoE block per micro-batch: F, B (input gradients), W (weight gradients), the exposed
+    TP collectives each way (tpf, tpb) and the GPU time of F and B (gpu_f, gpu_b)."""
+    a_fwd, a_bwd = attn
+    tp_one, tp_rec, n_coll = tp_coll
+    sp = tp if workload.sequence_parallel else np.ones(len(table))
+    ac_full, ac_sel = table.is_ac("full"), table.is_ac("selective")
+    op_sac = ac_sel & (workload.selective_ac == "op")
+    mm_sac = ac_sel & (workload.selective_ac == "matmul")
+    att_sac = ac_sel & (workload.selective_ac == "attention")
+    compiled = table.compile
+    g_f, g_rec = layer_gemms(table, model, workload, coeffs, r, moe)
+    e_seq, e_shard = np.array([elementwise_bytes(model, workload, moe, c) for c in (False, True)]).T
+    el_f = tokens * (e_seq[compiled.astype(int)] / sp + e_shard[compiled.astype(int)] / tp) / r.mem
+    el_f = el_f + np.where(table.float8, tokens * float8_cast_bytes(model, moe, compiled, r.elt) / tp / r.mem, 0.0)
+    kern = np.where(compiled, kernels_per_block(model, workload, moe, True),
+                    kernels_per_block(model, workload, moe, False))
+    # recomputation in backward (Korthikanti Sec. 5, Table 4): full = the whole forward again;
+    # 'op' = the unsaved matmuls and all pointwise ops; 'attention' = the attention core.
+    rec = np.where(ac_full, g_f + a_fwd + el_f,
+                   np.where(op_sac, g_rec + el_f, np.where(mm_sac, el_f, np.where(att_sac, a_fwd, 0.0))))
+    rec_k = np.where(ac_full, 1.0, np.where(op_sac, 0.6, np.where(mm_sac, 0.5, np.where(att_sac, 0.1, 0.0))))
+    # backward launches ~2x the forward's kernels (+ the recomputed ones); W is one per weight
+    n_mm = float(len({m.name for m in layer_matmuls(model, moe)}))
+    lat = coeffs.kernel_latency_s
+    gpu_f = g_f + a_fwd + el_f + kern * lat
+    gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
+    g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
+    # Async TP / Megatron's TP overlap decompose the collectives and run them under the block's
+    # matmuls (Wang et al. 2022, ASPLOS, "Overlap communication with dependent computation via
+    # decomposition"): exposed = max(0, comm - tp_overlap * matmul time), per block and direction.
+    tpf = np.maximum(0.0, 4 * tp_one - coeffs.tp_overlap * g_f)
+    tpb = np.maximum(0.0, (4 + tp_rec) * tp_one - coeffs.tp_overlap * 2 * g_f)
+    # host side: every kernel and every collective is launched by the CPU; the TP collectives
+    # sit on the compute stream (no overlap), so they count on the GPU side as well
+    host_f = (kern + n_coll) * r.launch
+    host_b = (kern * (2.0 + rec_k) + n_coll * (1.0 + tp_rec / 4)) * r.launch
+    f = launch_bound(gpu_f + tpf, host_f, r.sharpness) - tpf
+    b = launch_bound(gpu_b + g_w + tpb, host_b, r.sharpness) - g_w - tpb
+    return {"f": f, "b": b, "w": g_w, "tpf": tpf, "tpb": tpb, "gpu_f": gpu_f, "gpu_b": gpu_b}
+
+
+def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, gpu_b,
+                sequence_parallel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Exposed EP dispatch + combine all-to-alls of one MoE block (Lepikhin et al. 2020,
+    arXiv:2006.16668), forward and backward; DualPipeV overlaps them with the other micro-batch's
+    compute."""
+    sp = tp if sequence_parallel else np.ones(len(table))
     lpd = link_params(hw, coeffs)
     lp = (lpd["intra_bw"], lpd["intra_alpha"], lpd["inter_bw"], lpd["inter_alpha"])
-    nd, nm = layer_mix(table, model, first=False)
-    for moe, count in ((False, nd), (True, nm)):
-        if moe and not model.is_moe:
-            continue
-        g_f, g_rec = layer_gemms(table, model, workload, coeffs, r, moe)
-        e_seq, e_shard = np.array([elementwise_bytes(model, workload, moe, c) for c in (False, True)]).T
-        el_f = tokens * (e_seq[compiled.astype(int)] / sp + e_shard[compiled.astype(int)] / tp) / r.mem
-        el_f = el_f + np.where(f8, tokens * float8_cast_bytes(model, moe, compiled, r.elt) / tp / r.mem, 0.0)
-        kern = np.where(compiled, kernels_per_block(model, workload, moe, True),
-                        kernels_per_block(model, workload, moe, False))
-        # recomputation in backward (Korthikanti Sec. 5, Table 4): full = the whole forward again;
-        # 'op' = the unsaved matmuls and all pointwise ops; 'attention' = the attention core.
-        rec = np.where(ac_full, g_f + a_fwd + el_f,
-                       np.where(op_sac, g_rec + el_f, np.where(mm_sac, el_f, np.where(att_sac, a_fwd, 0.0))))
-        rec_k = np.where(ac_full, 1.0, np.where(op_sac, 0.6, np.where(mm_sac, 0.5, np.where(att_sac, 0.1, 0.0))))
-        # backward launches ~2x the forward's kernels (+ the recomputed ones); W is one per weight
-        n_mm = float(len({m.name for m in layer_matmuls(model, moe)}))
-        lat = coeffs.kernel_latency_s
-        gpu_f = g_f + a_fwd + el_f + kern * lat
-        gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
-        g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
-        tpf = np.maximum(0.0, 4 * tp_one - coeffs.tp_overlap * g_f)
-        tpb = np.maximum(0.0, (4 + tp_rec) * tp_one - coeffs.tp_overlap * 2 * g_f)
-        # host side: every kernel and every collective is launched by the CPU; the TP collectives
-        # sit on the compute stream (no overlap), so they count on the GPU side as well
-        host_f = (kern + n_coll) * r.launch
-        host_b = (kern * (2.0 + rec_k) + n_coll * (1.0 + tp_rec / 4)) * r.launch
-        f = launch_bound(gpu_f + tpf, host_f, r.sharpness) - tpf
-        b = launch_bound(gpu_b + g_w + tpb, host_b, r.sharpness) - g_w - tpb
-        if moe:   # EP dispatch + combine all-to-alls (Lepikhin et al. 2020, arXiv:2006.16668), each way
-            a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
-            # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
-            a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),
-                                  off_fraction=ib_share(model, table.ep, ep_link.per_node))
-            dual = table.is_schedule("DualPipeV")
-            exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
-            exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
-                             (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
-            out["ep_f"] += count * exp_f
-            out["ep_b"] += count * exp_b
-        out["F"] += count * f
-        out["B"] += count * b
-        out["W"] += count * g_w
-        out["tp_f"] += count * tpf
-        out["tp_b"] += count * tpb
-        out["cp_f"] += count * cp_f
-        out["cp_b"] += count * np.where(ac_full, cp_f, 0.0) + count * cp_b
-        frac = count / np.maximum(nd + nm, 1)
-        out["blockF"] += frac * f
-        out["blockBW"] += frac * (b + g_w)
-    for k, v in head_times(model, workload, r, tokens, tp).items():
-        out[k] = out[k] + v if k in out else v
-    return out
+    ac_full = table.is_ac("full")
+    a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
+    # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
+    a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),
+                          off_fraction=ib_share(model, table.ep, ep_link.per_node))
+    dual = table.is_schedule("DualPipeV")
+    exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
+    exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
+                     (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
+    return exp_f, exp_b
 
 
 def attention_core_times(model, workload, r: Rates, tokens, tp, cp):
@@ -222,65 +252,76 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
     facts = facts or layout_facts(table, model)   # (`facts`: computed once per distinct layout, broadcast)
+    if workload.state_layout == "fsdp2":
+        return _fsdp2_data_parallel(table, coeffs, links, r, st, facts)
+    return _megatron_data_parallel(table, hw, workload, coeffs, st, facts["rp"])
+
+
+def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel` for the fsdp2 layout (FSDP2 / HSDP, per-block collectives)."""
     rp = facts["rp"]
     nmb = table.n_microbatches.astype(np.float64)
     nblocks = np.asarray(facts["nblocks"]).astype(np.float64)
     ov = coeffs.dp_overlap
-    if workload.state_layout == "fsdp2":
-        fs, efs, rep = links["fsdp"], links["efsdp"], links["dp_replicate"]
-        fsdp_n = table.fsdp_size.astype(np.float64)
-        efsdp_n = fsdp_n / table.ep
-        nd, nm = facts["mix"]
-        nb = np.maximum(nd + nm, 1)
-        dense_blk = (nd * rp["dense_block"] + nm * rp["moe_dense_block"]) / nb     # average block
-        exp_blk = nm * rp["moe_expert_block"] / nb
+    fs, efs, rep = links["fsdp"], links["efsdp"], links["dp_replicate"]
+    fsdp_n = table.fsdp_size.astype(np.float64)
+    efsdp_n = fsdp_n / table.ep
+    nd, nm = facts["mix"]
+    nb = np.maximum(nd + nm, 1)
+    dense_blk = (nd * rp["dense_block"] + nm * rp["moe_dense_block"]) / nb     # average block
+    exp_blk = nm * rp["moe_expert_block"] / nb
 
-        def block_collective(nbytes):   # all-gather or reduce-scatter of one block, dense and expert groups
-            # (the expert group's collective exists only where there are expert weights: a dense
-            # model must not pay its (p-1) latency steps)
-            return (ring_gather_time(fsdp_n, dense_blk * nbytes, fs.bw, fs.alpha)
-                    + np.where(exp_blk > 0, ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha), 0.0))
-        ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
-        ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha,
-                            rep.tree_latency)
-        # the root unit (executor/parallel/fsdp.py: fully_shard(model) after the blocks): what this rank
-        # holds outside its blocks -- embedding and/or LM head and final norm
-        root = rp["last_dense"] - nd * rp["dense_block"] - nm * rp["moe_dense_block"]
-        ag_h = ring_gather_time(fsdp_n, root * r.elt, fs.bw, fs.alpha)
-        rs_h = ring_gather_time(fsdp_n, root * 4.0, fs.bw, fs.alpha)
-        # the V schedules run with resharding off: the executor keeps their parameters gathered
-        # (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; executor/parallel/pipeline.py)
-        v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
-        rsf = (table.reshard_after_forward & ~v_sched).astype(np.float64)
-        # Per block, in its compute window (Zhao et al. 2023, Sec. 3.4, Fig. 6: forward all-gather of
-        # the next block, backward all-gather of the previous block and reduce-scatter of this one's
-        # gradients).  Collectives of one window share the same links (FSDP2 issues them on separate
-        # streams, NCCL runs them concurrently over the same NICs), so what a window cannot hide is
-        # the SUM of its collectives less the window's compute -- not each one against it alone.
-        # Deeper prefetching does not change the steady state: the link stays serial, so a block whose
-        # collectives outlast its compute exposes the difference however early they are issued.
-        # The root is gathered first, before any compute it could hide under (its forward pre-hook runs
-        # before the embedding; PyTorch FSDP notes, "FSDP Prefetch Nuances": "the 1st all-gather will
-        # not be able to overlap with anything"), and reduce-scattered last, after the whole backward:
-        # both exposed, as are the first block's all-gather and the last reduce-scatter of the blocks.
-        fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
-        rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
-        ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
-        dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass),
-                      fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass)
-        dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
-        opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
+    def block_collective(nbytes):   # all-gather or reduce-scatter of one block, dense and expert groups
+        # (the expert group's collective exists only where there are expert weights: a dense
+        # model must not pay its (p-1) latency steps)
+        return (ring_gather_time(fsdp_n, dense_blk * nbytes, fs.bw, fs.alpha)
+                + np.where(exp_blk > 0, ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha), 0.0))
+    ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
+    ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha,
+                         rep.tree_latency)
+    # the root unit (executor/parallel/fsdp.py: fully_shard(model) after the blocks): what this rank
+    # holds outside its blocks -- embedding and/or LM head and final norm
+    root = rp["last_dense"] - nd * rp["dense_block"] - nm * rp["moe_dense_block"]
+    ag_h = ring_gather_time(fsdp_n, root * r.elt, fs.bw, fs.alpha)
+    rs_h = ring_gather_time(fsdp_n, root * 4.0, fs.bw, fs.alpha)
+    # the V schedules run with resharding off: the executor keeps their parameters gathered
+    # (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; executor/parallel/pipeline.py)
+    v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
+    rsf = (table.reshard_after_forward & ~v_sched).astype(np.float64)
+    # Per block, in its compute window (Zhao et al. 2023, Sec. 3.4, Fig. 6: forward all-gather of
+    # the next block, backward all-gather of the previous block and reduce-scatter of this one's
+    # gradients).  Collectives of one window share the same links (FSDP2 issues them on separate
+    # streams, NCCL runs them concurrently over the same NICs), so what a window cannot hide is
+    # the SUM of its collectives less the window's compute -- not each one against it alone.
+    # Deeper prefetching does not change the steady state: the link stays serial, so a block whose
+    # collectives outlast its compute exposes the difference however early they are issued.
+    # The root is gathered first, before any compute it could hide under (its forward pre-hook runs
+    # before the embedding; PyTorch FSDP notes, "FSDP Prefetch Nuances": "the 1st all-gather will
+    # not be able to overlap with anything"), and reduce-scattered last, after the whole backward:
+    # both exposed, as are the first block's all-gather and the last reduce-scatter of the blocks.
+    fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
+    rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
+    ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
+    dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass),
+                  fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass)
+    dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
+    opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
+    return dp, opt_bytes
+
+
+def _megatron_data_parallel(table, hw, workload, coeffs, st, rp) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel` for the Megatron layout (distributed optimizer, or an all-reduce at zero 0)."""
+    ov = coeffs.dp_overlap
+    dpn = table.dp_cp.astype(np.float64)
+    link = group_link(dpn, table.tp, hw, coeffs)
+    local = rp["last_dense"] + rp["last_expert"]
+    if workload.zero >= 1:
+        red = ring_gather_time(dpn, 4.0 * local, link.bw, link.alpha)
+        gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
     else:
-        dpn = table.dp_cp.astype(np.float64)
-        link = group_link(dpn, table.tp, hw, coeffs)
-        local = rp["last_dense"] + rp["last_expert"]
-        if workload.zero >= 1:
-            red = ring_gather_time(dpn, 4.0 * local, link.bw, link.alpha)
-            gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
-        else:
-            red, gath = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha, link.tree_latency), 0.0
-        dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
-        opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
+        red, gath = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha, link.tree_latency), 0.0
+    dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
+    opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
     return dp, opt_bytes
 
 
