@@ -113,63 +113,18 @@ def coerce(v: Any, typ: Any, *, key: str, where: str, error: type[InputError] = 
 
     if typ is Any or typ is object:
         return v
+    ctx = dict(key=key, where=where, error=error, meta=meta)
     if origin in (Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1 and rest[0] in (int, float, str, bool):
-            try:
-                return coerce(v, rest[0], key=key, where=where, error=error, meta=meta)
-            except InputError:
-                word = "a number" if rest[0] is float else _type_words(rest[0])
-                raise bad(f"{_range_words(word, meta)} or null") from None
-        if len(rest) == 1:
-            return coerce(v, rest[0], key=key, where=where, error=error, meta=meta)
-        for a in rest:
-            try:
-                return coerce(v, a, key=key, where=where, error=error, meta=meta)
-            except InputError:
-                pass
-        raise bad(" or ".join(_type_words(a) for a in args))
+        return _coerce_union(v, args, bad, **ctx)
     if origin is Literal:
         if isinstance(v, bool) or v not in args or not any(type(v) is type(a) for a in args if a == v):
             allowed = ", ".join(str(a) for a in args)
             raise error(f"{where}: key '{key}' must be one of {allowed}; got {show(v)}"
                         f"{did_you_mean(v, [str(a) for a in args]) if isinstance(v, str) else ''}")
         return v
-    if typ is bool:
-        if not isinstance(v, bool):
-            raise bad("true or false")
-        return v
-    if typ is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise bad(_range_words("an integer", meta))
-        if abs(v) > INT_LIMIT:
-            raise bad(f"an integer of at most {INT_LIMIT:,} (2**53) in size")
-        _check_range(v, meta, bad, "an integer")
-        return v
-    if typ is float:
-        x = v
-        if isinstance(x, str):                  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                x = float(x)
-            except ValueError:
-                raise bad(_range_words("a number", meta)) from None
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise bad(_range_words("a number", meta))
-        if isinstance(x, int) and abs(x) > INT_LIMIT:
-            raise bad(f"a number of at most {INT_LIMIT:,} (2**53) in size")
-        x = float(x)
-        if math.isnan(x) or (math.isinf(x) and not meta.get("allow_inf")):
-            raise bad(_range_words("a finite number", meta))
-        _check_range(x, meta, bad, "a number")
-        return x
-    if typ is str:
-        if not isinstance(v, str):
-            raise bad("a string")
-        if meta.get("nonempty") and not v.strip():
-            raise bad("a non-empty string")
-        return v
+    for scalar, read in _SCALARS:
+        if typ is scalar:
+            return read(v, meta, bad)
     if origin in (tuple, list, AbcSequence):
         if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
             raise bad(f"a list of {_type_words(args[0]) if args else 'values'}")
@@ -177,20 +132,91 @@ def coerce(v: Any, typ: Any, *, key: str, where: str, error: type[InputError] = 
         out = [coerce(x, item, key=f"{key}[{i}]", where=where, error=error, meta=meta) for i, x in enumerate(v)]
         return tuple(out) if origin is tuple else out
     if origin in (dict, AbcMapping, typing.Mapping):
-        if not isinstance(v, AbcMapping):
-            raise bad("a mapping")
-        kt, vt = args if len(args) == 2 else (Any, Any)
-        out = {}
-        for k2, v2 in v.items():
-            if kt is str and not isinstance(k2, str):
-                raise error(f"{where}: key '{key}' has a key {show(k2)} that is not a string")
-            out[k2] = coerce(v2, vt, key=f"{key}.{k2}", where=where, error=error, meta=meta)
-        return out
+        return _coerce_mapping(v, args, bad, **ctx)
     if dataclasses.is_dataclass(typ) and isinstance(typ, type):
         if isinstance(v, typ):
             return v
         return from_mapping(typ, v, where=f"{where}: {key}", error=error)
     return v
+
+
+def _coerce_union(v: Any, args: tuple, bad, **ctx: Any) -> Any:
+    """`v` read as ``X | Y | ...``: null when allowed, else the first member type that reads it."""
+    if v is None and type(None) in args:
+        return None
+    rest = [a for a in args if a is not type(None)]
+    if len(rest) == 1 and rest[0] in (int, float, str, bool):
+        try:
+            return coerce(v, rest[0], **ctx)
+        except InputError:
+            word = "a number" if rest[0] is float else _type_words(rest[0])
+            raise bad(f"{_range_words(word, ctx['meta'])} or null") from None
+    if len(rest) == 1:
+        return coerce(v, rest[0], **ctx)
+    for a in rest:
+        try:
+            return coerce(v, a, **ctx)
+        except InputError:
+            pass
+    raise bad(" or ".join(_type_words(a) for a in args))
+
+
+def _coerce_mapping(v: Any, args: tuple, bad, *, key: str, where: str, error: type[InputError],
+                    meta: Mapping[str, Any]) -> dict:
+    """`v` read as ``Mapping[K, V]``: a string key type refuses other keys, each value read as V."""
+    if not isinstance(v, AbcMapping):
+        raise bad("a mapping")
+    kt, vt = args if len(args) == 2 else (Any, Any)
+    out = {}
+    for k2, v2 in v.items():
+        if kt is str and not isinstance(k2, str):
+            raise error(f"{where}: key '{key}' has a key {show(k2)} that is not a string")
+        out[k2] = coerce(v2, vt, key=f"{key}.{k2}", where=where, error=error, meta=meta)
+    return out
+
+
+def _read_bool(v: Any, meta: Mapping[str, Any], bad) -> bool:
+    if not isinstance(v, bool):
+        raise bad("true or false")
+    return v
+
+
+def _read_int(v: Any, meta: Mapping[str, Any], bad) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(_range_words("an integer", meta))
+    if abs(v) > INT_LIMIT:
+        raise bad(f"an integer of at most {INT_LIMIT:,} (2**53) in size")
+    _check_range(v, meta, bad, "an integer")
+    return v
+
+
+def _read_float(v: Any, meta: Mapping[str, Any], bad) -> float:
+    x = v
+    if isinstance(x, str):                  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            x = float(x)
+        except ValueError:
+            raise bad(_range_words("a number", meta)) from None
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise bad(_range_words("a number", meta))
+    if isinstance(x, int) and abs(x) > INT_LIMIT:
+        raise bad(f"a number of at most {INT_LIMIT:,} (2**53) in size")
+    x = float(x)
+    if math.isnan(x) or (math.isinf(x) and not meta.get("allow_inf")):
+        raise bad(_range_words("a finite number", meta))
+    _check_range(x, meta, bad, "a number")
+    return x
+
+
+def _read_str(v: Any, meta: Mapping[str, Any], bad) -> str:
+    if not isinstance(v, str):
+        raise bad("a string")
+    if meta.get("nonempty") and not v.strip():
+        raise bad("a non-empty string")
+    return v
+
+
+_SCALARS = ((bool, _read_bool), (int, _read_int), (float, _read_float), (str, _read_str))
 
 
 @functools.lru_cache(maxsize=None)
