@@ -376,7 +376,8 @@ WORKLOAD_KEY_BADS = {"seq_len": [0, -1, 100000, 1025, HUGE, True, "64", 1.5, Non
                      "global_batch": [0, -4, 3, HUGE, True, "4", 2.5],
                      "dtype": ["fp8", "float16", "", 16, None], "state_layout": ["bogus", "megatron", 1],
                      "zero": [-1, "1", True], "attention_impl": ["sdpa", "materialized"],
-                     "dropout": ["no", 1, True], "sequence_parallel": ["no", 1], "selective_ac": ["all", 3]}
+                     "dropout": ["no", 1, True], "sequence_parallel": ["no", 1], "selective_ac": ["all", 3],
+                     "grad_dtype": ["fp16", "bf16", 2], "loss_impl": ["liger", "fused", 1]}
 
 
 def run_docs() -> list[tuple[str, str, dict, list[str]]]:

@@ -52,6 +52,20 @@ framework):
   llm-foundry benchmarks: Composer + PyTorch FSDP1) and llama3-meta (the Llama 3 paper: "DP
   stands for FSDP") use the fsdp2 layout, eager (compile=False: neither states a compiler), the
   'op' selective policy; FULL_SHARD -> reshard_after_forward=True, SHARD_GRAD_OP -> False.
+* gradient dtype and loss kernel, by framework (Workload.grad_dtype / loss_impl):
+  - nemo and mbridge: bf16 main gradients and the fused cross-entropy.  NeMo 1.0 configs (24.07 era):
+    `optim: distributed_fused_adam` with `grad_sync_dtype: bf16` and `cross_entropy_loss_fusion: true`
+    (NVIDIA/dgxc-benchmarking, nemotron/nemotron4-340b-synth.yaml); NeMo 2.0 performance scripts set
+    `recipe.trainer.plugins.grad_reduce_in_fp32 = False` (NVIDIA/NeMo scripts/performance) and NeMo's
+    GPTConfig defaults `cross_entropy_loss_fusion = True`; Megatron-Bridge performance configs set
+    `cfg.ddp.grad_reduce_in_fp32 = False` (scripts/performance/configs) and their model providers
+    `cross_entropy_loss_fusion = True`.
+  - composer-fsdp: the fused cross-entropy -- llm-foundry's ComposerMPTCausalLM takes
+    `loss_fn` default `fused_crossentropy` (flash_attn.losses.cross_entropy;
+    llmfoundry/models/mpt/modeling_mpt.py); its gradients follow FSDP's fp32 master parameters.
+  - everything else: fp32 main gradients (Megatron-LM forces accumulate_allreduce_grads_in_fp32 for
+    bf16) and the eager loss on fp32-upcast logits (Megatron-LM's default: no
+    --cross-entropy-loss-fusion; TorchTitan's cross_entropy on .float() logits).
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
@@ -101,6 +115,7 @@ SETS = ("shared", "extra")
 MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo", "nemo-megatron-2022", "megatron-deepspeed-2022")
 MATERIALIZED = ("korthikanti", "nemo-megatron-2022", "megatron-deepspeed-2022")   # 2022 Megatron stacks: fused softmax (no flash), dropout
 FSDP_STACKS = ("torchtitan", "composer-fsdp", "llama3-meta")
+NVIDIA_RECIPES = ("nemo", "mbridge")        # NeMo / Megatron-Bridge performance recipes: bf16 grads, fused loss
 
 
 ASYNC_TP_WHY = ("TorchTitan async TP hides only part of the TP collectives (measured +6-16% over vanilla TP); the "
@@ -226,7 +241,9 @@ def build_case(row) -> Case:
     workload = Workload(seq_len=seq, global_batch=gb, state_layout=state, zero=zero,
                         attention_impl="materialized" if materialized else "fused", dropout=materialized,
                         sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
-                        selective_ac="attention" if megatron else "op")
+                        selective_ac="attention" if megatron else "op",
+                        grad_dtype="bf16" if source in NVIDIA_RECIPES and state == "megatron" else "fp32",
+                        loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "eager")
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")

@@ -24,6 +24,28 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_bu
 LOGIT_BYTES = 12.0
 
 
+
+
+def logit_bytes(table, workload) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes per logit kept from the loss stage's forward to its backward, bytes per logit added at
+    the turn).  Eager (``loss_impl: eager``): the fp32 log-softmax output is kept (plus, with pp > 1,
+    the stage's e-byte output the pipeline keeps for the stage backward), and its gradient and the
+    input gradient join it at the turn (LOGIT_BYTES in all).  Fused (``loss_impl: fused``; e.g.
+    flash-attn's cross_entropy, Megatron's fused vocab-parallel loss): the kernel keeps only its
+    e-byte input (the same tensor as the stage output) and a per-token log-sum-exp, and writes one
+    e-byte gradient at the turn."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    if workload.loss_impl == "fused":
+        return np.full(len(table), e), np.full(len(table), e)
+    return 4.0 + np.where(table.pp > 1, e, 0.0), np.full(len(table), LOGIT_BYTES - 4.0)
+
+
+def grad_bytes(workload) -> float:
+    """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
+    layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
+    return 2.0 if workload.state_layout == "megatron" and workload.grad_dtype == "bf16" else 4.0
+
+
 # --------------------------------------------------------------------------- activations
 # Terms of the bytes a block keeps per token, by how tensor parallelism divides them:
 SEQ, SHARD, SCORE, FULL, FULL_TP = range(5)
@@ -346,12 +368,12 @@ def _shared_activation_terms(table, model, workload, coeffs) -> dict:
     # n_microbatches (measured: 16 x (logits + log-softmax) on the last stage, the first stage
     # lower by that); the other schedules run the loss stage's backward right after its forward.
     head_infl = np.where((table.pp > 1) & table.is_schedule("GPipe"), table.n_microbatches, 1.0)
-    logit_kept = 4.0 + np.where(table.pp > 1, e, 0.0)
+    logit_kept, logit_turn = logit_bytes(table, workload)
     return dict(dense_act=dense_act, moe_act=moe_act, working_set=np.maximum(ws_dense, ws_moe),
                 head_infl=head_infl,
-                logits_head=tokens * model.vocab_size / table.tp * (head_infl * logit_kept + LOGIT_BYTES - 4.0),
+                logits_head=tokens * model.vocab_size / table.tp * (head_infl * logit_kept + logit_turn),
                 head_act=head_activation_bytes(table, model, workload, table.compile),
-                logits_turn=tokens * model.vocab_size / table.tp * (logit_kept + LOGIT_BYTES - 4.0),
+                logits_turn=tokens * model.vocab_size / table.tp * (logit_kept + logit_turn),
                 pipe=pipeline_extra_bytes(table, model, workload))
 
 
@@ -397,7 +419,8 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
 
 
 def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, ...]:
-    """As `_fsdp2_state_bytes` for the Megatron layout: bf16 params, fp32 main grads, ZeRO stages."""
+    """As `_fsdp2_state_bytes` for the Megatron layout: bf16 params, main grads in ``grad_dtype``
+    (fp32: Megatron-LM; bf16: NeMo / Megatron-Bridge recipes), ZeRO stages."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
     local = dense_p + expert_p
@@ -407,7 +430,7 @@ def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, 
     z = workload.zero
     master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
     params = e * (sh if z >= 3 else local)
-    grads = 4.0 * (sh if z >= 2 else local)
+    grads = grad_bytes(workload) * (sh if z >= 2 else local)
     optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
     fsdp = fsdp_at_turn = np.zeros(len(table))
     return params, grads, optimizer, fsdp, fsdp_at_turn

@@ -35,6 +35,16 @@ class Workload:
     matmul, attention and collective output; pointwise ops are recomputed), ``op``
     (TorchTitan's per-op policy: every other matmul output and the attention outputs) or
     ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3).
+
+    ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
+    accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
+    Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
+    bytes per parameter and the data-parallel reduction's bytes.  The fsdp2 layout's gradients
+    follow its fp32 master parameters, so there it must stay ``fp32``.
+    ``loss_impl`` is the cross-entropy: ``eager`` (this executor: on fp32-upcast logits, keeping
+    the fp32 log-softmax, its gradient and the input gradient at the turn) or ``fused`` (a fused
+    or chunked kernel -- Megatron's cross_entropy_loss_fusion, flash-attn's / Liger's, a compiled
+    loss -- keeping the logits and a per-token log-sum-exp, the gradient written in place).
     """
 
     seq_len: int = field(metadata=_POSITIVE)
@@ -46,9 +56,14 @@ class Workload:
     dropout: bool = False
     sequence_parallel: bool = True                            # with tp > 1
     selective_ac: Literal["matmul", "op", "attention"] = "matmul"
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
+    loss_impl: Literal["eager", "fused"] = "eager"            # cross-entropy kernel
 
     def __post_init__(self) -> None:
         check_fields(self, where="workload", error=SpecError)
+        if self.grad_dtype != "fp32" and self.state_layout != "megatron":
+            raise SpecError(f"workload key 'grad_dtype' is {self.grad_dtype!r} with state_layout "
+                            f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: fp32)")
 
     @property
     def global_batch_tokens(self) -> int:

@@ -43,7 +43,8 @@ from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
 from search_spaces.yaml_file import parse_yaml
 
-from .tokenizer import ByteTokenizer, load_tokenizer
+from .data import check_corpus
+from .tokenizer import check_tokenizer
 
 DEFAULT_MODEL = "llama3-debug"
 DEFAULT_SEQ_LEN = 256
@@ -317,6 +318,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         key = "attention_impl" if wl.attention_impl != "fused" else "dropout"
         raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
                           "without dropout (that key describes other frameworks to the planner)")
+    if wl.loss_impl != "eager":
+        raise ConfigError(f"workload key 'loss_impl' is {show(wl.loss_impl)}, but titan-run computes the loss on "
+                          "fp32-upcast logits (eager; that key describes other frameworks to the planner)")
     if cfg.train.warmup > cfg.train.steps:
         pass  # allowed: the run stays in warmup
     if plan.pp > 1 and not _module_exists("executor.parallel.pipeline"):
@@ -328,26 +332,12 @@ def validate(cfg: RunConfig, world_size: int) -> None:
             raise ConfigError("plan key 'float8' is true but torchao is not installed (pip install torchao)")
         if plan.tp > 1:
             raise ConfigError("plan key 'float8' with tp > 1 is not supported by titan-run yet")
-    if cfg.train.tokenizer == "bytes":
-        n_tokens = ByteTokenizer.vocab_size
-    else:
-        tok = Path(cfg.train.tokenizer)
-        if not _exists(tok, file=True):
-            raise ConfigError(f"train key 'tokenizer': file {show(str(tok))} does not exist (or use 'bytes')")
-        if not _module_exists("tokenizers"):
-            raise ConfigError("train key 'tokenizer' names a tokenizer.json, which needs the 'tokenizers' "
-                              "package (pip install tokenizers)")
-        try:
-            n_tokens = load_tokenizer(str(tok)).vocab_size
-        except Exception as e:  # noqa: BLE001 - the tokenizers package raises its own exception types
-            raise ConfigError(f"train key 'tokenizer': {show(str(tok))} cannot be read as a tokenizer.json: "
-                              f"{' '.join(str(e).split())[:200]}") from None
-    if n_tokens > spec.vocab_size:
-        raise ConfigError(f"train key 'tokenizer' ({cfg.train.tokenizer}) has {n_tokens} tokens, more than the "
-                          f"vocab_size {spec.vocab_size} of model '{spec.name}'")
+    tok = check_tokenizer(cfg.train.tokenizer, spec)     # it loads, its vocabulary fits (executor/tokenizer.py)
     if cfg.train.data != "stdlib" and not _exists(Path(cfg.train.data)):
         raise ConfigError(f"train key 'data': {show(cfg.train.data)} does not exist (a .txt/.jsonl file, a folder, "
                           "or 'stdlib')")
+    check_corpus(cfg.train.data, tok, cfg.train.max_corpus_bytes, seq_len=cfg.seq_len,   # executor/data.py
+                 global_batch=cfg.global_batch)
 
 
 def _exists(p: Path, *, file: bool = False) -> bool:

@@ -29,7 +29,7 @@ DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
-                  "selective_ac")
+                  "selective_ac", "grad_dtype", "loss_impl")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -42,6 +42,10 @@ WORKLOAD_HELP = {
                          "replicated over tp ranks)",
     "selective_ac": "what 'ac: selective' keeps: matmul (this executor, default), op (TorchTitan's per-op "
                     "policy) or attention (Megatron: recompute the attention core only)",
+    "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
+                  "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
+    "loss_impl": "cross-entropy: eager (fp32-upcast logits, this executor, default) or fused (a fused / "
+                 "chunked kernel that keeps only the logits and writes their gradient in place)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 

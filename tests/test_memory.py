@@ -1,6 +1,7 @@
 """cost_models/memory.py: per-rank memory (parameters, optimizer, activations, pipeline buffers)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cost_models.coefficients import Coefficients
@@ -9,6 +10,7 @@ from cost_models.memory import in_flight_microbatches, per_layer_activation_byte
 from cost_models.specs import load_hardware, load_model, model_from_dict
 from cost_models.workload import Workload
 from search_spaces import Plan
+from search_spaces.table import CandidateTable
 from tests.cost_model_helpers import est1, table
 
 
@@ -145,3 +147,33 @@ def test_pipelined_fsdp_regathers_blocks_every_microbatch():
     block = 786_432 * 4                     # one llama3-debug block, fp32
     assert e.memory["fsdp_buffers"][0] >= 4 * block
     assert e.memory["fsdp_buffers"][1] < 4 * block   # replicate-only FSDP: nothing to gather
+
+
+def test_megatron_grad_dtype_sets_the_gradient_bytes_exactly():
+    """grad_dtype bf16 (NeMo / Megatron-Bridge recipes) holds 2 bytes per gradient element, fp32 4; the
+    parameters and optimizer states do not change."""
+    tab = CandidateTable.from_plans([Plan(dp_shard=8, tp=2, n_microbatches=4), Plan(dp_shard=16, n_microbatches=2)])
+    m, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
+    for zero in (0, 1, 2):
+        w32 = Workload(seq_len=2048, global_batch=32, state_layout="megatron", zero=zero)
+        w16 = Workload(seq_len=2048, global_batch=32, state_layout="megatron", zero=zero, grad_dtype="bf16")
+        a, b = (estimate(tab, m, hw, w).memory for w in (w32, w16))
+        np.testing.assert_allclose(b["grads"], a["grads"] / 2, rtol=1e-12)
+        for k in ("params", "optimizer", "activations", "logits"):
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_fused_loss_keeps_one_copy_of_the_logits_and_writes_one_gradient():
+    """loss_impl fused: 2e bytes per logit at the loss turn (its input and its gradient) instead of the eager
+    fp32 path's 12 (log-softmax, its gradient, the input gradient); under GPipe (every micro-batch's
+    logits kept) fused stays below eager too."""
+    m, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
+    plans = [Plan(dp_shard=16, microbatch=2, n_microbatches=1), Plan(dp_shard=4, pp=4, n_microbatches=8,
+                                                                      schedule="GPipe")]
+    tab = CandidateTable.from_plans(plans)
+    eager, fused = (estimate(tab, m, hw, Workload(seq_len=2048, global_batch=32, loss_impl=li)).memory
+                    for li in ("eager", "fused"))
+    # (the 'logits' term also holds the final norm's and the head's inputs, the same under both)
+    per_logit = 2 * 2048 * m.vocab_size                       # logits of one micro-batch (pp = 1 row)
+    assert eager["logits"][0] - fused["logits"][0] == pytest.approx((12.0 - 4.0) * per_logit, rel=1e-9)
+    assert eager["logits"][1] > fused["logits"][1]
