@@ -30,11 +30,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from executor.parallel.ring_attention import ring_attention
+from executor.parallel.ring_attention import _RingAttentionFn, ring_attention
 
 
 class RingAttention(nn.Module):
     """Drop-in for ``CoreAttention``: causal attention over the CP ring."""
+
+    function = _RingAttentionFn     # the ring's autograd function (the spmd_types backend's subclass: typed)
 
     def __init__(self, cp_mesh: DeviceMesh, kernel: str | None = None):
         super().__init__()
@@ -42,7 +44,7 @@ class RingAttention(nn.Module):
         self.kernel = kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.cp_mesh.get_group(), self.kernel)
+        return ring_attention(q, k, v, self.cp_mesh.get_group(), self.kernel, self.function)
 
     def extra_repr(self) -> str:
         return f"cp={self.cp_mesh.size()}, kernel={self.kernel or 'auto'}"
@@ -55,15 +57,17 @@ def _blocks(model: nn.Module):
     return layers.values() if isinstance(layers, nn.ModuleDict) else layers
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kernel: str | None = None) -> None:
-    """Swap every ``block.attention.sdpa`` for ring attention over ``cp_mesh``'s group."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, kernel: str | None = None,
+             attention: type[RingAttention] = RingAttention) -> None:
+    """Swap every ``block.attention.sdpa`` for ring attention (`attention`, a ``RingAttention`` class) over
+    ``cp_mesh``'s group."""
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp: cp_mesh must be 1-D, got {cp_mesh.ndim} dims")
     for block in _blocks(model):
         attn = getattr(block, "attention", None)
         if attn is None or not hasattr(attn, "sdpa"):
             raise ValueError(f"apply_cp: block {type(block).__name__} has no attention.sdpa to swap")
-        attn.sdpa = RingAttention(cp_mesh, kernel)
+        attn.sdpa = attention(cp_mesh, kernel)
 
 
 def head_tail_indices(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:

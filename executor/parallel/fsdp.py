@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import warnings
 
 import torch
@@ -110,10 +111,12 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
     for p in model.parameters():
         have = spmd.get_local_type(p) if spmd.has_local_type(p) else {}
         spmd.assert_type(p, {axes[n]: have.get(axes[n], spmd.R) for n in names})
-    dims = DataParallelMeshDims(shard="dp_shard" if "dp_shard" in names else None,
+    # context parallel: the cp ranks hold different tokens, their gradients are reduced too (over dp_shard x cp)
+    shard = tuple(n for n in ("dp_shard", "cp") if n in names)
+    dims = DataParallelMeshDims(shard=(shard[0] if len(shard) == 1 else shard) if shard else None,
                                 replicate="dp_replicate" if "dp_replicate" in names else None)
     mp = _mp_policy(param_dtype, reduce_dtype)
-    if "dp_shard" in names and spmd_mesh.size(names.index("dp_shard")) == 1:
+    if shard and math.prod(spmd_mesh.size(names.index(n)) for n in shard) == 1:
         # TP without a shard axis (a one-rank dp_shard): resharding would free nothing and cost a second copy
         reshard_after_forward = False
     for block in model.layers.values():

@@ -46,6 +46,7 @@ from .context_parallel import apply_cp
 from .expert_parallel import apply_ep
 from .fsdp import apply_fsdp, apply_fsdp_spmd, spmd_fsdp_supported
 from .pipeline import pipeline_split
+from .spmd_context_parallel import apply_spmd_cp
 from .spmd_step import spmd_mesh
 from .spmd_tensor_parallel import apply_spmd_tp, spmd_tp_unsupported
 from .tensor_parallel import apply_tp
@@ -90,10 +91,10 @@ def apply_float8(module: nn.Module) -> None:
 
 def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
+    if plan.cp > 1 and plan.pp > 1:
+        return "context parallel with pipeline parallel (cp > 1, pp > 1): the stages' cp batch is not typed yet"
     if plan.pp > 1:
         return "pipeline parallel (pp > 1): the pipeline schedule's loss is not spmd_types-typed yet"
-    if plan.cp > 1:
-        return "context parallel (cp > 1): ring attention's P2P collectives are not spmd_types-typed yet"
     if plan.ep > 1:
         return "expert parallel (ep > 1): the all-to-all dispatch is not spmd_types-typed yet"
     if plan.compile:
@@ -117,7 +118,7 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
     """
     if plan.backend == "dtensor":
         return "dtensor"
-    if plan.world_size == 1 or (plan.tp == 1 and meshes.spmd_dp is None):
+    if plan.world_size == 1 or (plan.tp == 1 and plan.cp == 1 and meshes.spmd_dp is None):
         # nothing is distributed: no collective, no typed axis (the same step on either backend)
         return "dtensor"
     reason = spmd_fsdp_supported() or spmd_plan_unsupported(plan, spec)
@@ -137,7 +138,9 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         apply_spmd_tp(module, meshes.tp)
     elif plan.tp > 1:
         apply_tp(module, meshes.tp, loss_parallel=True, shard_embedding=tp_shards_embedding(plan))
-    if plan.cp > 1:
+    if plan.cp > 1 and backend == "spmd_types":
+        apply_spmd_cp(module, meshes.cp)
+    elif plan.cp > 1:
         apply_cp(module, meshes.cp)
     if plan.ep > 1:
         apply_ep(module, meshes.ep)

@@ -371,9 +371,11 @@ class _RingAttentionFn(torch.autograd.Function):
 
 @torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                   kernel: str | None = None) -> torch.Tensor:
+                   kernel: str | None = None, function: type[_RingAttentionFn] = _RingAttentionFn) -> torch.Tensor:
     """Causal attention of the head-tail-sharded local q [b, h, s, d] against the
-    whole (ring-distributed) sequence; k/v [b, kv_heads, s, d].  Returns [b, h, s, d]."""
+    whole (ring-distributed) sequence; k/v [b, kv_heads, s, d].  Returns [b, h, s, d].
+    `function` is the autograd function that runs the ring (the spmd_types backend passes
+    its typed subclass, ``spmd_context_parallel.TypedRingAttentionFn``)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: kv heads ({k.shape[1]}) must divide q heads ({q.shape[1]})")
-    return _RingAttentionFn.apply(q, k, v, group, choose_kernel(q, kernel))
+    return function.apply(q, k, v, group, choose_kernel(q, kernel))

@@ -22,17 +22,19 @@ from torch.distributed.device_mesh import DeviceMesh
 import spmd_types as spmd
 
 from .fsdp import DP_AXES, spmd_loss, spmd_typecheck
+from .spmd_context_parallel import spmd_cp_shard_batch
 from .spmd_tensor_parallel import vocab_parallel_cross_entropy
 from .tensor_parallel import cross_entropy
 
 
 def spmd_mesh(meshes, plan) -> DeviceMesh | None:
-    """The SPMD mesh FSDP stores typed parameters on: the dp axes of size > 1, plus ``tp`` when tp > 1
-    (then with a one-rank ``dp_shard`` if there is no dp axis, so FSDP has an axis to shard on)."""
-    if plan.tp == 1:
+    """The SPMD mesh FSDP stores typed parameters on: the dp axes of size > 1, plus ``cp`` when cp > 1
+    (parameters R there, gradients reduced over dp_shard x cp) and ``tp`` when tp > 1 (then with a
+    one-rank ``dp_shard`` if there is no dp or cp axis, so FSDP has an axis to shard on)."""
+    if plan.tp == 1 and plan.cp == 1:
         return meshes.spmd_dp
-    names = [a for a in DP_AXES if getattr(plan, a) > 1] or ["dp_shard"]
-    return meshes.world[(*names, "tp")]
+    names = [a for a in DP_AXES if getattr(plan, a) > 1] + (["cp"] if plan.cp > 1 else [])
+    return meshes.world[(*(names or ["dp_shard"]), *(["tp"] if plan.tp > 1 else []))]
 
 
 def _types(mesh: DeviceMesh, **by_axis) -> dict:
@@ -51,9 +53,12 @@ def forward_backward(model: nn.Module, tokens: torch.Tensor, labels: torch.Tenso
     total = torch.zeros((), device=tokens.device)
     for tok, lab in zip(tokens.chunk(n), labels.chunk(n)):
         with spmd_typecheck() if typecheck else contextlib.nullcontext():
+            positions = None
+            if plan.cp > 1:       # this rank's head-tail share of each sequence, V on cp (spmd_context_parallel.py)
+                tok, lab, positions = spmd_cp_shard_batch(tok, lab, meshes.cp, _types(mesh, dp=spmd.R, tp=spmd.R))
             for t in (tok, lab):
                 spmd.assert_type(t, _types(mesh, dp=spmd.V, tp=spmd.R))
-            logits = model(tok)
+            logits = model(tok, positions)
             if plan.tp > 1:
                 loss = vocab_parallel_cross_entropy(logits, lab, meshes.tp, batch_types) / n
             else:
