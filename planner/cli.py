@@ -13,25 +13,19 @@ second); it reaches the executor only through plan.yaml.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 from cost_models.specs import load_hardware, load_model, preset_names
 from search_spaces.plan import AC_MODES, BACKENDS, SCHEDULES
-from search_spaces.planfile import write_plan_file
 from search_spaces.space import load_space, space_names
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, show
 
 from . import calibrate as cal
-from . import report
-from .dry_run import dry_run_candidates, format_row
-from .inputs import PlanInputs, UsageError, add_input_flags, parse_tokens, read_question, resolve_inputs
+from .inputs import UsageError, add_input_flags, parse_tokens, resolve_inputs
 from .local import detect_local_devices
-from .plot import pareto_plot
+from .plan_command import cmd_plan
 from .profile import run_profile
-from .rank import RANK_BY, plan_candidates
-from .trials import TrialSettings, run_trials
+from .rank import RANK_BY
 from .whatif import cmd_estimate
 
 __all__ = ["main", "build_parser", "parse_tokens", "resolve_inputs", "UsageError"]
@@ -100,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "score them with analytic memory and time models, and write the best as plan.yaml.",
         epilog="Subcommands: plan (default), estimate, list. 'titan-plan SUBCOMMAND --help' for details.")
     sub = p.add_subparsers(dest="command")
+    for add in (_add_plan_parser, _add_estimate_parser, _add_profile_parser, _add_calibrate_parser,
+                _add_list_parser):
+        add(sub)
+    return p
 
+
+def _add_plan_parser(sub) -> None:
     pp = sub.add_parser("plan", help="rank all layouts and write the best (default)",
                         description="Rank every legal layout and write the best one to plan.yaml.")
     add_input_flags(pp)
@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="apply the top K candidates for the full world in one process on the meta device "
                          "(titan-run --dry-run, needs torch): drop those the executor cannot apply, and compare "
                          "their exact per-rank state bytes with the analytic model")
+    _add_trial_flags(pp)
+    pp.set_defaults(func=cmd_plan)
+
+
+def _add_trial_flags(pp) -> None:
     t = pp.add_argument_group("measured trials (short real runs of the best candidates through titan-run)")
     t.add_argument("--trials", type=int, default=0, metavar="N", help="run N trials (default 0: analytic only)")
     t.add_argument("--trial-steps", type=int, default=6, help="steps per trial, the first 2 untimed (default 6)")
@@ -134,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--launcher", help="command template for a trial, with {plan} {run_dir} {steps} {nproc} "
                                       "(e.g. an srun line); default: titan-run on this node")
     t.add_argument("--run-root", default="runs/trials", help="where trial run folders go (default runs/trials)")
-    pp.set_defaults(func=cmd_plan)
 
+
+def _add_estimate_parser(sub) -> None:
     pe = sub.add_parser("estimate", help="predict one given layout (what-if), with breakdowns",
                         description="Predict step time, throughput, MFU and memory of one layout, from a "
                                     "plan file or from flags, e.g. to check a published configuration.")
@@ -160,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--json", action="store_true", help="print JSON")
     pe.set_defaults(func=cmd_estimate)
 
+
+def _add_profile_parser(sub) -> None:
     pf = sub.add_parser("profile", help="measure this machine and write a hardware spec",
                         description="Microbenchmark this machine (GEMM throughput by shape, memory bandwidth, "
                                     "all-reduce/all-gather/reduce-scatter/all-to-all/point-to-point bandwidth and "
@@ -174,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--quick", action="store_true", help="fewer shapes and sizes (seconds, not minutes)")
     pf.set_defaults(func=cmd_profile)
 
+
+def _add_calibrate_parser(sub) -> None:
     pc = sub.add_parser("calibrate", help="fit the cost model to measured trials",
                         description="Fit the cost model's coefficients (compute efficiency, link bandwidth and "
                                     "latency, overlap, fixed overheads, memory) to the successful trials of a "
@@ -187,139 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--no-loo", action="store_true", help="skip leave-one-out cross-validation")
     pc.set_defaults(func=cmd_calibrate)
 
+
+def _add_list_parser(sub) -> None:
     pl = sub.add_parser("list", help="list presets", description="List model, hardware or space presets.")
     pl.add_argument("what", choices=("models", "hardware", "spaces"))
     pl.set_defaults(func=cmd_list)
-    return p
-
-
-def _default_space(model, workload) -> str:
-    if model.is_moe:
-        return "moe"
-    return "long_context" if workload.seq_len >= 32768 else "dense"
-
-
-# --------------------------------------------------------------------------- plan
-def cmd_plan(args) -> int:
-    t0 = time.perf_counter()
-    q = resolve_inputs(args, read_question(args.plan_file, args)[1], where=str(args.plan_file or "plan file"))
-    model, hw, workload, gpus, gpn, local = q.model, q.hardware, q.workload, q.gpus, q.gpus_per_node, q.local
-    space = load_space(args.space or _default_space(model, workload))
-    res = plan_candidates(space, model, hw, workload, world_size=gpus, gpus_per_node=gpn, coeffs=q.coeffs,
-                          memory_margin=args.memory_margin, rank_by=args.rank_by)
-    elapsed = time.perf_counter() - t0
-    best = res.best()  # raises PlanningError with the reason when nothing fits
-    top = res.order[: max(1, args.top)]
-    inputs = {**q.echo(), "space": space.name, "rank_by": args.rank_by}
-    contents = {
-        "model": q.model_ref,
-        "hardware": q.hardware_ref,
-        "workload": workload.to_dict(),
-        "plan": res.table.plan(best),
-        "predicted": report.predicted(res.est, best),
-        "inputs": inputs,
-        "provenance": report.provenance(["titan-plan"] + sys.argv[1:], res.n_candidates),
-    }
-    dry_rows = _dry_run(args, res, q, contents) if args.dry_run else None
-    best, top = res.best(), res.order[: max(1, args.top)]     # the dry run may have dropped some
-    trial_rows = None
-    if args.trials:
-        chosen, measured, trial_rows = _run_trials(args, res, space, contents, q)
-        if chosen is not None:
-            contents["plan"] = chosen
-            contents["predicted"] = measured.pop("predicted")
-            contents["measured"] = measured
-    if not args.no_write:
-        write_plan_file(args.out, contents)
-    if args.plot:
-        pareto_plot(res, args.plot, title=f"{model.name} on {gpus} x {hw.name}")
-    if args.json:
-        doc = {"inputs": inputs, "n_candidates": res.n_candidates, "n_feasible": res.n_feasible,
-               "rejected": [{"reason": r.reason, "count": r.count, "unit": r.unit} for r in res.rejected],
-               "top": report.candidate_rows(res.table, res.est, top),
-               "pareto": report.candidate_rows(res.table, res.est, res.pareto),
-               "chosen": contents["plan"].to_dict(), "plan_file": None if args.no_write else args.out,
-               "elapsed_s": round(elapsed, 4)}
-        print(json.dumps(doc, indent=2))
-        return 0
-    print(q.headline())
-    print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
-          f"{res.n_feasible:,} feasible ({space.name} space)")
-    print()
-    order = "fastest p90 step first" if args.rank_by == "p90" else "fastest first"
-    print(report.format_table(res.table, res.est, top, title=f"top {len(top)} ({order}):",
-                              p90=args.rank_by == "p90"))
-    print()
-    if res.rejected:
-        print("rejected:")
-        for r in res.rejected:
-            print(f"  {r.count:>9,} {r.unit}: {r.reason}")
-        print()
-    if dry_rows:
-        print("dry run (exact parameter + gradient + optimizer bytes of the worst rank; FakeTensor step peak):")
-        for r in dry_rows:
-            print(f"  {r['plan'].layout_str():<20} {r['plan'].knobs_str():<34} {format_row(r)}")
-        print()
-    if trial_rows:
-        print(f"measured trials (best first), study '{args.study_name or 'default'}' in {args.storage}:")
-        for o in trial_rows:
-            meas = f"{o.tokens_per_s:,.1f} tok/s" if o.tokens_per_s else o.status
-            print(f"  #{o.number:<3} {o.plan.layout_str():<18} {o.plan.knobs_str():<32} "
-                  f"measured {meas:<18} predicted {o.predicted.get('tokens_per_s', 0):,.1f} tok/s"
-                  + (f"  ({o.reason[:60]})" if o.reason and o.status != "ok" else ""))
-        print()
-    if "measured" in contents:
-        print(f"chosen on measured throughput: {contents['measured']['tokens_per_s']:,.1f} tokens/s")
-    else:
-        print("chosen plan breakdown:")
-        print(report.format_breakdown(res.est, best))
-    if not args.no_write:
-        print(f"\nwrote {args.out}  (train with: titan-run --plan {args.out})")
-    if args.plot:
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def _dry_run(args, res, q: PlanInputs, contents: dict) -> list[dict]:
-    """titan-run --dry-run of the top candidates; those the executor cannot apply leave the ranking."""
-    print(f"[titan-plan] dry-running the top {args.dry_run} candidates ...", file=sys.stderr, flush=True)
-    rows = dry_run_candidates(res, [int(i) for i in res.order[: args.dry_run]], model_ref=q.model_ref,
-                              workload=contents["workload"])
-    failed = {r["index"] for r in rows if r["status"] != "ok"}
-    if failed:
-        res.order = res.order[[int(i) not in failed for i in res.order]]
-        best = res.best()
-        contents["plan"] = res.table.plan(best)
-        contents["predicted"] = report.predicted(res.est, best)
-    return rows
-
-
-def _run_trials(args, res, space, contents, q: PlanInputs):
-    if args.launcher is None and q.local is None:
-        here = detect_local_devices()
-        if q.gpus > here.count:
-            raise UsageError(f"--trials without --launcher run on this node, which has {here.count} devices, "
-                             f"but --gpus is {q.gpus}")
-    settings = TrialSettings(n_trials=args.trials, steps=args.trial_steps, timeout_s=args.trial_timeout,
-                             storage=args.storage, study_name=args.study_name, run_root=args.run_root,
-                             launcher=args.launcher)
-    w = q.workload
-    inputs = {"model": contents["model"], "hardware": contents["hardware"], "gpus": q.gpus,
-              "seq_len": w.seq_len, "global_batch": w.global_batch, "dtype": w.dtype,
-              "workload": contents["workload"]}
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
-    rows = run_trials(res, plan_inputs=inputs, settings=settings, space_knobs=dict(space.knobs), log=log)
-    args.study_name = settings.study_name   # the name stored in --storage (run_trials sets it), printed below
-    ok = [o for o in rows if o.status == "ok"]
-    if not ok:
-        print("titan-plan: warning: no trial succeeded; keeping the analytic choice", file=sys.stderr)
-        return None, None, rows
-    best = ok[0]
-    measured = {"tokens_per_s": best.tokens_per_s, "step_time_s": best.step_time_s,
-                "peak_memory_gib": round((best.peak_memory_bytes or 0) / 2 ** 30, 4),
-                "trial": best.number, "run_dir": best.run_dir, "trials_ok": len(ok), "trials_total": len(rows),
-                "predicted": best.predicted}
-    return best.plan, measured, rows
 
 
 # --------------------------------------------------------------------------- profile
