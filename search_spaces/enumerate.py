@@ -65,24 +65,35 @@ def schedule_options(space: SearchSpace) -> list[tuple[int, int]]:
 
 
 def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
-    W = t.world_size
     rejected: list[Rejection] = []
+    d, n_layouts = _layouts(space, t, rejected)
+    d = _with_ep(d, space, t, rejected)
+    d = _with_microbatch(d, space, t, rejected)
+    base = _with_schedules(d, space, t, rejected)
+    cols = _with_knobs(base, space, t, rejected)
+    return Enumeration(table=CandidateTable(cols), rejected=rejected, n_layouts=n_layouts)
 
-    def keep(view: Columns, rules: tuple[C.Rule, ...], unit: str) -> np.ndarray:
-        """Mask of the rows of `view` that pass `rules` (the predicates of constraints.py), counting
-        the rows each reason rejects first (rules sharing a reason count once)."""
-        good = np.ones(len(view), bool)
-        for reason, group in itertools.groupby(rules, key=lambda r: r.reason):
-            m = np.ones(len(view), bool)
-            for r in group:
-                m &= r.ok(view, t)
-            n = int((good & ~m).sum())
-            if n:
-                rejected.append(Rejection(reason, n, unit))
-            good &= m
-        return good
 
-    # -- stage 1: degree layouts ----------------------------------------------------------
+def _keep(view: Columns, rules: tuple[C.Rule, ...], unit: str, t: C.Target,
+          rejected: list[Rejection]) -> np.ndarray:
+    """Mask of the rows of `view` that pass `rules` (the predicates of constraints.py), counting
+    the rows each reason rejects first (rules sharing a reason count once) into `rejected`."""
+    good = np.ones(len(view), bool)
+    for reason, group in itertools.groupby(rules, key=lambda r: r.reason):
+        m = np.ones(len(view), bool)
+        for r in group:
+            m &= r.ok(view, t)
+        n = int((good & ~m).sum())
+        if n:
+            rejected.append(Rejection(reason, n, unit))
+        good &= m
+    return good
+
+
+def _layouts(space: SearchSpace, t: C.Target, rejected: list[Rejection]) -> tuple[dict[str, np.ndarray], int]:
+    """Stage 1: the degree layouts (dp_replicate, pp, tp, cp; dp_shard what remains) that pass the
+    layout rules, and how many degree tuples multiply to the world size."""
+    W = t.world_size
     vals = [np.array(space.degree_values(a, W), dtype=np.int64) for a in ("dp_replicate", "pp", "tp", "cp")]
     dpr, pp, tp, cp = (g.ravel() for g in np.meshgrid(*vals, indexing="ij"))
     prod = dpr * pp * tp * cp
@@ -93,27 +104,37 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
     # one stage per rank for now: the pipeline-length rule is checked again once stages_per_rank is known
     view = Columns({**d, "stages_per_rank": np.ones(n_layouts, dtype=np.int64)})
     stage1 = (C.TP_SHAPE,) + ((C.TP_NODE,) if space.tp_within_node else ()) + (C.PP_LAYERS, C.SEQ, C.TIED)
-    good = keep(view, stage1, "layouts")
-    d = {k: v[good] for k, v in d.items()}
+    good = _keep(view, stage1, "layouts", t, rejected)
+    return {k: v[good] for k, v in d.items()}, n_layouts
 
-    # ep: carved out of dp_shard * cp
-    ep_vals = np.array(space.degree_values("ep", W), dtype=np.int64)
+
+def _with_ep(d: dict[str, np.ndarray], space: SearchSpace, t: C.Target,
+             rejected: list[Rejection]) -> dict[str, np.ndarray]:
+    """The layouts x ep, which is carved out of dp_shard * cp."""
+    ep_vals = np.array(space.degree_values("ep", t.world_size), dtype=np.int64)
     i, j = _cross(len(d["dp_shard"]), len(ep_vals))
     d = {k: v[i] for k, v in d.items()}
     d["ep"] = ep_vals[j]
-    good = keep(Columns(d), (C.EP_EXPERTS, C.EP_MESH), "layouts")
-    d = {k: v[good] for k, v in d.items()}
+    good = _keep(Columns(d), (C.EP_EXPERTS, C.EP_MESH), "layouts", t, rejected)
+    return {k: v[good] for k, v in d.items()}
 
-    # -- stage 2: micro-batch size ----------------------------------------------------------
+
+def _with_microbatch(d: dict[str, np.ndarray], space: SearchSpace, t: C.Target,
+                     rejected: list[Rejection]) -> dict[str, np.ndarray]:
+    """Stage 2: x the micro-batch size, which fixes n_microbatches."""
     mb_vals = np.array(space.knobs["microbatch"], dtype=np.int64)
     i, j = _cross(len(d["dp_shard"]), len(mb_vals))
     d = {k: v[i] for k, v in d.items()}
     d["microbatch"] = mb_vals[j]
     d["n_microbatches"] = t.global_batch // (d["dp_replicate"] * d["dp_shard"] * d["microbatch"])
-    good = keep(Columns(d), (C.BATCH,), "layout x micro-batch choices")
-    d = {k: v[good] for k, v in d.items()}
+    good = _keep(Columns(d), (C.BATCH,), "layout x micro-batch choices", t, rejected)
+    return {k: v[good] for k, v in d.items()}
 
-    # -- stage 3: pipeline schedule ------------------------------------------------------------
+
+def _with_schedules(d: dict[str, np.ndarray], space: SearchSpace, t: C.Target,
+                    rejected: list[Rejection]) -> dict[str, np.ndarray]:
+    """Stage 3: the pipelined rows x the schedule options; rows without a pipeline canonically 1F1B
+    with one stage per rank."""
     opts = schedule_options(space)
     single = d["pp"] == 1
     base_single = {k: v[single] for k, v in d.items()}
@@ -129,21 +150,18 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
         i, j = _cross(len(m_idx), len(opts))
         dm = {k: v[m_idx[i]] for k, v in d.items()}
         dm["schedule"], dm["stages_per_rank"] = sc[j], vv[j]
-        good = keep(Columns(dm), (C.PP_LAYERS,) + C.RUNTIME_RULES, "layout x micro-batch x schedule choices")
+        good = _keep(Columns(dm), (C.PP_LAYERS,) + C.RUNTIME_RULES, "layout x micro-batch x schedule choices",
+                     t, rejected)
         parts.append({k: v[good] for k, v in dm.items()})
     elif multi.any():
         rejected.append(Rejection("no pipeline schedule in the space", int(multi.sum()),
                                   "layout x micro-batch choices"))
-    base = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-    # -- stage 4: free knobs ------------------------------------------------------------------
-    cols = _with_knobs(base, space, t, rejected)
-    return Enumeration(table=CandidateTable(cols), rejected=rejected, n_layouts=n_layouts)
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _with_knobs(base: dict[str, np.ndarray], space: SearchSpace, t: C.Target,
                 rejected: list[Rejection]) -> dict[str, np.ndarray]:
-    """`base` x the free knobs (activation checkpointing, reshard, compile, float8, backend)."""
+    """Stage 4: `base` x the free knobs (activation checkpointing, reshard, compile, float8, backend)."""
     ac = np.array([AC_MODES.index(a) for a in space.knobs["ac"]], dtype=np.int64)
     rs = np.array(space.knobs["reshard_after_forward"], dtype=bool)
     co = np.array(space.knobs["compile"], dtype=bool)
