@@ -48,7 +48,8 @@ def grad_bytes(workload) -> float:
 
 # --------------------------------------------------------------------------- activations
 # Terms of the bytes a block keeps per token, by how tensor parallelism divides them:
-SEQ, SHARD, SCORE, FULL, FULL_TP = range(5)
+SEQ, SHARD, SCORE, FULL, FULL_TP, SEQ_TP = range(6)
+N_TERMS = 6
 #   SEQ     residual-stream tensors: divided by tp only with sequence parallelism
 #   SHARD   head/FFN-sharded tensors: divided by tp
 #   SCORE   per token *and key position* (materialized s x s scores), divided by tp
@@ -58,6 +59,9 @@ SEQ, SHARD, SCORE, FULL, FULL_TP = range(5)
 #           (Korthikanti Sec. 4.2.2), so in the megatron layout they are SEQ
 #   FULL_TP as FULL but present only when tp > 1 (outputs of all-gathers kept by the
 #           'matmul' selective policy; with tp = 1 the same tensor is recomputed)
+#   SEQ_TP  as SEQ but present only when tp > 1 (the sequence-sharded outputs of the row-parallel
+#           reduce-scatters, which the 'op' and 'matmul' policies keep under DTensor-style TP;
+#           with tp = 1 there is no collective and the sum is recomputed)
 
 
 def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
@@ -83,7 +87,7 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     Full keeps the block input (Korthikanti Table 2: 2sbh).
     """
     if ac == "full":
-        t = np.zeros(5)
+        t = np.zeros(N_TERMS)
         t[SEQ] = (4.0 if workload.dtype == "fp32" else 2.0) * model.dim
         return t
     if ac == "selective" and workload.selective_ac in ("op", "matmul"):
@@ -101,7 +105,7 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
     fused = workload.attention_impl == "fused"
     dtensor = workload.state_layout == "fsdp2"
     row_out = FULL if dtensor else SEQ                # a row-parallel matmul's output
-    t = np.zeros(5)
+    t = np.zeros(N_TERMS)
     every = workload.selective_ac == "matmul"
     t[SEQ] = e * h                                    # block input
     for i, m in enumerate(layer_matmuls(model, moe)):
@@ -113,6 +117,8 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
         t[SHARD] += e * d_o + 4.0 * model.n_heads
     if every:                                         # all-gathered QKV and FFN inputs (tp > 1)
         t[FULL_TP] += 2 * e * h
+    if dtensor:   # the wo and w2 reduce-scatter outputs (tp > 1; TorchTitan's op list saves them too)
+        t[SEQ_TP] += 2 * e * h
     return t
 
 
@@ -128,7 +134,7 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     dtensor = workload.state_layout == "fsdp2"
     lin = e * f8_fraction                            # a saved linear input
     drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
-    t = np.zeros(5)
+    t = np.zeros(N_TERMS)
     col_in = FULL if dtensor else SEQ                 # where a column-parallel input lives
     if compiled:
         norm_in = e * h                               # fused norm: its input (+ a per-token rstd)
@@ -173,7 +179,7 @@ def _saved_ffn_bytes(model, width: float, e: float, lin: float, compiled: bool) 
 
 def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
     """[ac code, compiled, float8] -> the five terms, bytes per token."""
-    out = np.zeros((len(AC_MODES), 2, 2, 5))
+    out = np.zeros((len(AC_MODES), 2, 2, N_TERMS))
     for a, ac in enumerate(AC_MODES):
         for c in (0, 1):
             for f in (0, 1):
@@ -186,7 +192,7 @@ def _bytes(terms: np.ndarray, table, workload) -> np.ndarray:
     tokens = table.microbatch * workload.seq_len / table.cp
     sp = tp if workload.sequence_parallel else np.ones_like(tp)
     return tokens * (terms[:, SEQ] / sp + terms[:, SHARD] / tp + terms[:, SCORE] * workload.seq_len / tp
-                     + terms[:, FULL] + terms[:, FULL_TP] * (tp > 1))
+                     + terms[:, FULL] + (terms[:, FULL_TP] + terms[:, SEQ_TP] / sp) * (tp > 1))
 
 
 def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tuple[np.ndarray, np.ndarray]:
