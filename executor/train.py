@@ -51,6 +51,7 @@ from .parallel import Precision, build_model_parts, resolve_backend, resolve_pre
 from .parallel.context_parallel import cp_shard_batch
 from .parallel import spmd_step
 from .parallel.pipeline import build_schedule
+from .parallel.spmd_pipeline import build_typed_schedule
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
 from .summary import summarize, summary_line, write_rank_file
 
@@ -128,7 +129,9 @@ def setup(cfg: RunConfig) -> Trainer:
                                seed=cfg.train.seed)
     params = [p for _, m in stages for p in m.parameters()]
     runner = None
-    if cfg.plan.pp > 1:
+    if cfg.plan.pp > 1 and backend == "spmd_types":     # typed stages and loss: parallel/spmd_pipeline.py
+        runner = build_typed_schedule(stages, cfg.plan, meshes, device, typecheck=cfg.train.spmd_typecheck)
+    elif cfg.plan.pp > 1:
         runner = build_schedule(stages, cfg.plan, meshes.pp, cross_entropy, device,
                                 step_context=lambda: loss_context(cfg))
 

@@ -93,8 +93,6 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
     if plan.cp > 1 and plan.pp > 1:
         return "context parallel with pipeline parallel (cp > 1, pp > 1): the stages' cp batch is not typed yet"
-    if plan.pp > 1:
-        return "pipeline parallel (pp > 1): the pipeline schedule's loss is not spmd_types-typed yet"
     if plan.ep > 1:
         return "expert parallel (ep > 1): the all-to-all dispatch is not spmd_types-typed yet"
     if plan.compile:

@@ -302,7 +302,7 @@ def _allow_retained_compiled_backward() -> None:
         functorch_config.donated_buffer = False
 
 
-def _stage_class():
+def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManager] | None = None):
     """PipelineStage, minus warm-up sends to the rank itself on gloo.
 
     torch 2.11's V schedules post a warm-up isend/irecv between every pair of
@@ -311,6 +311,10 @@ def _stage_class():
     connected``) on CPU.  The warm-up only opens connections, and same-rank
     activations are handed over locally, so those ops are dropped (gloo only;
     NCCL keeps torch's behaviour).
+
+    With `backward_context`, the stage's backward calls (full, input and weight
+    backward; torch 2.14's backward shape inference) run inside it: the
+    spmd_types backend runs them outside the type checker (``spmd_pipeline.py``).
     """
     class _Stage(PipelineStage):
         def _get_init_p2p_neighbors_ops(self):
@@ -319,15 +323,30 @@ def _stage_class():
             return [op for op in ops
                     if not (op.peer == me and dist.get_backend(op.group) == "gloo")]
 
+        if backward_context is not None:
+            def backward_maybe_with_nosync(self, *args, **kwargs):
+                with backward_context():
+                    return super().backward_maybe_with_nosync(*args, **kwargs)
+
+            def _compute_input_grads(self, *args, **kwargs):     # torch 2.14 shape inference
+                with backward_context():
+                    return super()._compute_input_grads(*args, **kwargs)
+
     return _Stage
 
 
 def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: DeviceMesh, loss_fn,
-                   device, step_context: Callable[[], contextlib.AbstractContextManager] | None = None
+                   device, step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                   runner_cls: Callable[..., PipelineRunner] = PipelineRunner,
+                   backward_context: Callable[[], contextlib.AbstractContextManager] | None = None
                    ) -> PipelineRunner:
-    """PipelineStage per (already parallelized, materialized) stage module + the plan's schedule."""
+    """PipelineStage per (already parallelized, materialized) stage module + the plan's schedule.
+
+    `runner_cls` builds the runner from the same arguments as :class:`PipelineRunner`, and the stages'
+    backward calls run in `backward_context` (the spmd_types backend passes its typed runner and
+    ``no_typecheck``, ``spmd_pipeline.py``)."""
     _check_plan(plan)
-    stage_cls = _stage_class()
+    stage_cls = _stage_class(backward_context)
     cls = schedule_class(plan.schedule)
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         _keep_fsdp_params_unsharded(stages, plan.schedule)
@@ -355,4 +374,4 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
         if len(pstages) != 1:
             raise ValueError(f"schedule {plan.schedule} runs one stage per rank, got {len(pstages)}")
         schedule = cls(pstages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineRunner(schedule, pstages, stages, plan, positions, step_context)
+    return runner_cls(schedule, pstages, stages, plan, positions, step_context)

@@ -34,7 +34,19 @@ def spmd_mesh(meshes, plan) -> DeviceMesh | None:
     if plan.tp == 1 and plan.cp == 1:
         return meshes.spmd_dp
     names = [a for a in DP_AXES if getattr(plan, a) > 1] + (["cp"] if plan.cp > 1 else [])
-    return meshes.world[(*(names or ["dp_shard"]), *(["tp"] if plan.tp > 1 else []))]
+    return _submesh(meshes.world, (*(names or ["dp_shard"]), *(["tp"] if plan.tp > 1 else [])))
+
+
+_SUBMESHES: dict = {}      # (id(world), axis names) -> (world, submesh)
+
+
+def _submesh(world: DeviceMesh, names: tuple) -> DeviceMesh:
+    """``world[names]``, the same object on every call: ``world[...]`` makes a new (equal) DeviceMesh each time,
+    and FSDP's spmd path refuses a second stage module of the same rank (PP) on an equal but other mesh."""
+    hit = _SUBMESHES.get((id(world), names))
+    if hit is None or hit[0] is not world:
+        hit = _SUBMESHES[(id(world), names)] = (world, world[names])
+    return hit[1]
 
 
 def _types(mesh: DeviceMesh, **by_axis) -> dict:
@@ -42,12 +54,19 @@ def _types(mesh: DeviceMesh, **by_axis) -> dict:
     return {spmd.MeshAxis.of(mesh.get_group(n)): by_axis["tp" if n == "tp" else "dp"] for n in mesh.mesh_dim_names}
 
 
+def loss_dp_mesh(meshes, plan) -> DeviceMesh:
+    """The axes the loss is a pending sum over (the SPMD mesh without ``tp``); the batch is V on them
+    (also the pipeline schedule's loss, ``spmd_pipeline.py``)."""
+    mesh = spmd_mesh(meshes, plan)
+    return meshes.world[tuple(n for n in mesh.mesh_dim_names if n != "tp")]
+
+
 def forward_backward(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, meshes, plan, *,
                      typecheck: bool) -> torch.Tensor:
     """Gradients of the mean loss of this rank's batch (gradient accumulation over
     ``plan.n_microbatches``); returns that loss, a plain tensor."""
     mesh = spmd_mesh(meshes, plan)
-    dp_mesh = meshes.world[tuple(n for n in mesh.mesh_dim_names if n != "tp")]
+    dp_mesh = loss_dp_mesh(meshes, plan)
     batch_types = _types(dp_mesh, dp=spmd.V)
     n = plan.n_microbatches
     total = torch.zeros((), device=tokens.device)
@@ -68,4 +87,4 @@ def forward_backward(model: nn.Module, tokens: torch.Tensor, labels: torch.Tenso
     return total
 
 
-__all__ = ["forward_backward", "spmd_mesh"]
+__all__ = ["forward_backward", "loss_dp_mesh", "spmd_mesh"]

@@ -111,7 +111,6 @@ class _Meshes:
 
 
 @pytest.mark.parametrize("plan, missing", [
-    (Plan(pp=2, tp=2, microbatch=1, n_microbatches=2), "pipeline parallel"),
     (Plan(pp=2, cp=2, microbatch=1, n_microbatches=2), "context parallel"),   # cp alone is typed: test_spmd_cp.py
     (Plan(dp_shard=2, tp=2, compile=True), "compile"),
     (Plan(dp_shard=2, float8=True), "float8"),
