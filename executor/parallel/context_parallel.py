@@ -20,6 +20,10 @@ see docs/torch_on_cpu.md §5), and its buffer-swapping context manager is
 hard to combine with pipeline parallel.  Our ring is a plain autograd
 function over P2P sends, identical on gloo and NCCL.
 
+On the ``spmd_types`` backend the same ring runs as a typed region
+(``spmd_context_parallel.py``: :class:`RingAttention`'s ``function`` is then the
+typed autograd function, and the batch and positions are typed V over cp).
+
 Loss/gradients: each CP rank's loss is the mean over its local tokens, which
 all have the same count, so averaging gradients over the CP ranks (FSDP over
 the flattened dp*cp mesh does this) gives the gradient of the global mean.

@@ -1,9 +1,12 @@
 """One forward/backward on the ``spmd_types`` backend: typed batch, typed loss, optional checker.
 
-The batch is Varying (V) on the data-parallel axes and Replicate (R) on ``tp``; the
-loss is the mean token cross-entropy (vocab-parallel under TP,
-``spmd_tensor_parallel.vocab_parallel_cross_entropy``), Invariant on tp, and is
-declared a pending sum (V -> P) on the dp axes before ``backward()``.
+The batch is Varying (V) on the data-parallel axes and Replicate (R) on ``tp``; under
+context parallel each micro-batch is first cut to this rank's head-tail share of every
+sequence (``spmd_context_parallel.spmd_cp_shard_batch``), V on ``cp`` as well, with its
+RoPE positions (V on cp, R elsewhere).  The loss is the mean token cross-entropy
+(vocab-parallel under TP, ``spmd_tensor_parallel.vocab_parallel_cross_entropy``),
+Invariant on tp, and is declared a pending sum (V -> P) on the dp axes and cp before
+``backward()``.
 
 ``train.spmd_typecheck=true`` runs each micro-batch under the ``spmd_types`` checker
 (``spmd_types.checker.typecheck``, permissive: tensors made inside the model from
