@@ -24,9 +24,11 @@ import os
 import socket
 import sys
 
+from search_spaces.constraints import EP_MESH
 from search_spaces.plan import Plan, PlanError, min_microbatches
+from search_spaces.table import Columns
 
-from .config import ConfigError, load_run_config, read_plan_file
+from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 
 
 def nnodes_range(nnodes: str | None) -> tuple[int, int]:
@@ -88,8 +90,8 @@ def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:
     if not choices:
         raise ConfigError(f"cannot re-plan for world {world}: {per_rank} sequences per dp rank is fewer than the "
                           f"{need} micro-batches schedule {plan.schedule} needs (give --fallback-plan)")
-    ep = plan.ep
-    while ep > 1 and (dp * plan.cp) % ep:     # ep is carved out of dp_shard*cp (constraints.EP_MESH)
+    ep = plan.ep     # halved until the mesh rule accepts it: ep is carved out of dp_shard*cp (dp_shard = dp here)
+    while ep > 1 and not EP_MESH.ok(Columns({"dp_shard": dp, "cp": plan.cp, "ep": ep}), None):
         ep //= 2
     keep = {k: v for k, v in plan.to_dict().items() if k not in ("dp_shard", "n_microbatches")}
     try:
@@ -120,5 +122,4 @@ def load_elastic_config(args, world: int):
 
 
 def _plan_dict(raw: dict, overrides: list[str]) -> dict:
-    from .config import apply_overrides, parse_overrides
     return dict(apply_overrides(raw, parse_overrides(overrides)).get("plan") or {})

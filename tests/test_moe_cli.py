@@ -33,7 +33,7 @@ def topk_too_large(tmp_path: Path) -> str:
 BAD = [
     # ep does not divide the number of experts (8)
     ({"dp_shard": 3, "ep": 3, "microbatch": 1}, "moe-debug", 3, 3,
-     "must divide the number of experts of model 'moe-debug' (8)"),
+     "ep=3 must divide n_experts=8"),
     # ep does not divide dp_shard*cp
     ({"dp_shard": 2, "ep": 4, "microbatch": 2}, "moe-debug", 2, 4, "must divide dp_shard*cp"),
     # an MoE plan on a dense model
