@@ -4,7 +4,10 @@
   library's own source: the sorted ``*.py`` files under
   ``sysconfig.get_paths()["stdlib"]`` (site-packages excluded) up to
   ``max_bytes``.  Otherwise a ``.txt`` file (one document), a ``.jsonl`` file
-  (field ``text`` of each line), or a folder of them (sorted).
+  (field ``text`` of each line), or a folder of them (sorted).  :func:`check_corpus`
+  reads it before any process group starts (config validation): another file type,
+  a jsonl line that is not a JSON object with a string ``text``, or fewer tokens than
+  one global batch is one `DataError` line naming the file.
 * Each document becomes ``[BOS] tokens [EOS]``; documents are concatenated
   into one stream, which is cut into samples of ``seq_len + 1`` tokens
   (inputs are the first ``seq_len``, labels the last ``seq_len``).
@@ -18,17 +21,37 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from .tokenizer import load_tokenizer
+from search_spaces.typed import InputError
+
+from .tokenizer import check_tokenizer, quote_path
+
+if TYPE_CHECKING:     # torch only in next_batch: validating a config reads the corpus without it
+    import torch
 
 
-def stdlib_files() -> list[Path]:
+class DataError(InputError):
+    """A corpus that cannot be trained on (one line naming the file and the problem; exit code 2)."""
+
+
+SUFFIXES = (".txt", ".jsonl")
+WHAT_IS_READ = "titan-run reads .txt (one document per file) or .jsonl (one JSON object with a 'text' field per line)"
+
+
+def tokens_needed(seq_len: int, global_batch: int) -> int:
+    """Tokens one global batch takes: `global_batch` samples of seq_len + 1 tokens (inputs and shifted labels)."""
+    return global_batch * (seq_len + 1)
+
+
+@functools.lru_cache(maxsize=1)    # the listing takes a second; a process validates, then trains
+def stdlib_files() -> tuple[Path, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for p in root.rglob("*.py"):
@@ -36,62 +59,99 @@ def stdlib_files() -> list[Path]:
         if rel.parts and rel.parts[0] in ("site-packages", "dist-packages"):
             continue
         files.append(p)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+def _corpus_files(source: str) -> tuple[Path, ...]:
+    if source == "stdlib":
+        return stdlib_files()
+    src = Path(source)
+    if src.is_dir():
+        paths = sorted([p for p in src.rglob("*") if p.suffix in SUFFIXES and p.is_file()],
+                       key=lambda p: p.relative_to(src).as_posix())
+        if not paths:
+            raise DataError(f"train key 'data': folder {quote_path(src)} has no .txt or .jsonl files "
+                            f"({WHAT_IS_READ})")
+        return tuple(paths)
+    if src.is_file():
+        if src.suffix not in SUFFIXES:
+            kind = f"a {src.suffix} file" if src.suffix else "a file without a .txt/.jsonl suffix"
+            raise DataError(f"train key 'data': {quote_path(src)} is {kind}; {WHAT_IS_READ}, or a folder of them")
+        return (src,)
+    raise DataError(f"train key 'data': {quote_path(src)} does not exist")
+
+
+def _jsonl_texts(p: Path):
+    """The 'text' of each line of a .jsonl file; a line that is not a JSON object with a string 'text' is
+    one DataError naming the file and the line."""
+    with p.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"train key 'data': {quote_path(p)} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where} is not JSON ({e.msg} at column {e.colno}); each line must be a JSON "
+                                "object with a 'text' field") from None
+            if not isinstance(obj, dict) or "text" not in obj:
+                got = f"keys {', '.join(map(repr, list(obj)[:5]))}" if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(f"{where} has no 'text' field (got {got}); each line must be a JSON object "
+                                "with a 'text' field")
+            if not isinstance(obj["text"], str):
+                raise DataError(f"{where}: 'text' must be a string, got {type(obj['text']).__name__}")
+            yield obj["text"]
 
 
 def _documents(source: str, max_bytes: int):
     """Yield the corpus documents (bytes or str) in a fixed order, up to `max_bytes` in total."""
-    if source == "stdlib":
-        paths = stdlib_files()
-    else:
-        src = Path(source)
-        if src.is_dir():
-            paths = sorted([p for p in src.rglob("*") if p.suffix in (".txt", ".jsonl")],
-                           key=lambda p: p.relative_to(src).as_posix())
-            if not paths:
-                raise ValueError(f"train key 'data': folder '{src}' has no .txt or .jsonl files")
-        elif src.is_file():
-            if src.suffix not in (".txt", ".jsonl"):
-                raise ValueError(f"train key 'data': '{src}' must be a .txt or .jsonl file")
-            paths = [src]
-        else:
-            raise ValueError(f"train key 'data': '{src}' does not exist")
     total = 0
-    for p in paths:
-        if p.suffix == ".jsonl":
-            with p.open("r", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ValueError(f"{p}:{lineno}: each line must be a JSON object with a 'text' "
-                                         "field") from None
-                    total += len(text)
-                    yield text
-                    if total >= max_bytes:
-                        return
-        else:
-            data = p.read_bytes()
-            total += len(data)
-            yield data
-            if total >= max_bytes:
-                return
+    for p in _corpus_files(source):
+        try:
+            docs = _jsonl_texts(p) if p.suffix == ".jsonl" else iter([p.read_bytes()])
+            for doc in docs:
+                total += len(doc)
+                yield doc
+                if total >= max_bytes:
+                    return
+        except UnicodeDecodeError as e:
+            raise DataError(f"train key 'data': {quote_path(p)} is not UTF-8 text (byte {e.start}); a .jsonl "
+                            "file must be UTF-8") from None
+        except OSError as e:
+            raise DataError(f"train key 'data': {quote_path(p)} cannot be read: {e.strerror or e}") from None
+
+
+def _encode(doc, tokenizer) -> np.ndarray:
+    """[BOS] tokens [EOS] of one document (the specials the tokenizer has)."""
+    ids = tokenizer.encode_bytes(doc) if isinstance(doc, bytes) else tokenizer.encode(doc)
+    head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    return np.concatenate([np.asarray(head, np.int64), ids, np.asarray(tail, np.int64)])
 
 
 def load_token_stream(source: str, tokenizer, max_bytes: int) -> np.ndarray:
-    parts = []
-    for doc in _documents(source, max_bytes):
-        ids = tokenizer.encode_bytes(doc) if isinstance(doc, bytes) else tokenizer.encode(doc)
-        head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-        tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-        parts.append(np.concatenate([np.asarray(head, np.int64), ids, np.asarray(tail, np.int64)]))
+    parts = [_encode(doc, tokenizer) for doc in _documents(source, max_bytes)]
     if not parts:
-        raise ValueError(f"train key 'data': '{source}' has no text")
+        raise DataError(f"train key 'data': {quote_path(source)} has no text")
     stream = np.concatenate(parts)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     return stream.astype(dtype)
+
+
+def check_corpus(source: str, tokenizer, max_bytes: int, *, seq_len: int, global_batch: int) -> None:
+    """Before any process group: read the corpus as training will (the same files, documents and tokenizer)
+    until one global batch of tokens is there; every problem is one DataError line naming the file."""
+    need, have = tokens_needed(seq_len, global_batch), 0
+    for doc in _documents(source, max_bytes):
+        have += len(_encode(doc, tokenizer))
+        if have >= need:
+            return
+    if have == 0:
+        raise DataError(f"train key 'data': {quote_path(source)} has no text")
+    raise DataError(f"train key 'data': {quote_path(source)} has {have:,} tokens (tokenizer {tokenizer.name}, at most "
+                    f"train.max_corpus_bytes = {max_bytes:,} bytes read), fewer than one global batch needs: "
+                    f"{global_batch} sequences x (seq_len {seq_len} + 1) = {need:,}; add text, or lower "
+                    "workload.global_batch or workload.seq_len")
 
 
 class PackedBatches:
@@ -104,8 +164,8 @@ class PackedBatches:
         self.stream, self.seq_len, self.global_batch = stream, seq_len, global_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.n_samples = len(stream) // (seq_len + 1)
-        if self.n_samples < global_batch:
-            raise ValueError(f"the corpus has {len(stream)} tokens: {self.n_samples} samples of seq_len+1 = "
+        if len(stream) < tokens_needed(seq_len, global_batch):
+            raise DataError(f"the corpus has {len(stream)} tokens: {self.n_samples} samples of seq_len+1 = "
                              f"{seq_len + 1}, fewer than one global batch ({global_batch})")
         self.step = 0
         self._perm_epoch, self._perm = -1, None
@@ -119,6 +179,7 @@ class PackedBatches:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels), each [global_batch / dp, seq_len] int64 on the CPU."""
+        import torch  # torch: launcher path (config validation imports this module to check the corpus)
         local = self.global_batch // self.dp_size
         start = self.step * self.global_batch + self.dp_rank * local
         L = self.seq_len + 1
@@ -140,10 +201,7 @@ class PackedBatches:
 
 
 def build_batches(cfg, dp_rank: int, dp_size: int) -> PackedBatches:
-    tok = load_tokenizer(cfg.train.tokenizer)
-    if tok.vocab_size > cfg.spec.vocab_size:
-        raise ValueError(f"tokenizer '{tok.name}' has {tok.vocab_size} tokens, more than the model's "
-                         f"vocab_size {cfg.spec.vocab_size}")
+    tok = check_tokenizer(cfg.train.tokenizer, cfg.spec)
     stream = load_token_stream(cfg.train.data, tok, cfg.train.max_corpus_bytes)
     return PackedBatches(stream, seq_len=cfg.seq_len, global_batch=cfg.global_batch, dp_rank=dp_rank,
                          dp_size=dp_size, seed=cfg.train.seed)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from executor.config import ConfigError, load_run_config
+from executor.data import DataError
 from tests.distributed.harness import ROOT, env, titan_run_cmd
 
 
@@ -165,6 +167,80 @@ def test_issue15_dry_run_world_and_unreadable_plans(tmp_path):
                        (tmp_path / ("n" * 4000), "File name too long")):
         p = run(["--plan", str(f), "--run-dir", str(tmp_path / "run")], timeout=120)
         assert_one_line_error(p, message, tmp_path / "run")
+
+
+# issue 14: data and tokenizer contents are read before any process group starts
+def _tokenizer_json(path: Path, n_tokens: int) -> str:
+    """A real tokenizer.json (the tokenizers package) with `n_tokens` tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(n_tokens - 1)}
+    vocab["[UNK]"] = n_tokens - 1
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return str(path)
+
+
+def _file(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+BAD_DATA = [   # (id, train keys from the folder, what the one line says besides the file's name)
+    ("csv", lambda d: {"data": _file(d / "corpus.csv", "text,label\nhello,1\n")},
+     "is a .csv file; titan-run reads .txt (one document per file) or .jsonl"),
+    ("jsonl-not-json", lambda d: {"data": _file(d / "c.jsonl", '{"text": "a"}\nnot json\n')},
+     "line 2 is not JSON"),
+    ("jsonl-no-text", lambda d: {"data": _file(d / "c.jsonl", '{"text": "a"}\n{"body": "b"}\n')},
+     "line 2 has no 'text' field (got keys 'body')"),
+    ("jsonl-text-not-string", lambda d: {"data": _file(d / "c.jsonl", '{"text": 3}\n')},
+     "line 1: 'text' must be a string, got int"),
+    ("corpus-too-small", lambda d: {"data": _file(d / "small.txt", "tiny")},
+     "has 6 tokens (tokenizer bytes, at most train.max_corpus_bytes = 16,000,000 bytes read), fewer than one "
+     "global batch needs: 4 sequences x (seq_len 64 + 1) = 260"),
+    ("tokenizer-not-json", lambda d: {"tokenizer": _file(d / "tokenizer.json", "vocab: [a, b]\n")},
+     "cannot be read as a tokenizer.json"),
+    ("tokenizer-vocab", lambda d: {"tokenizer": _tokenizer_json(d / "tokenizer.json", 600)},
+     "has 600 tokens, more than the vocab_size 512 of model 'llama3-debug': set vocab_size: 600 (or more) in a "
+     "model YAML"),
+]
+
+
+@pytest.mark.parametrize("case,train,message", BAD_DATA, ids=[b[0] for b in BAD_DATA])
+def test_issue14_bad_data_and_tokenizer_refused_before_processes(tmp_path, case, train, message):
+    """Launched (torchrun, 2 processes) or dry-run: one line naming the file and the problem, exit 2."""
+    keys = train(tmp_path)
+    plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {**keys, "steps": 2, "tensorboard": False})
+    named = next(iter(keys.values()))
+    for args in (["--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], ["--dry-run"]):
+        p = run(["--plan", plan, *args], timeout=120)
+        assert_one_line_error(p, message, tmp_path / "run")
+        assert named in p.stderr, p.stderr
+
+
+def test_issue14_good_data_passes_the_check(tmp_path):
+    """The check reads what training reads: a folder of .txt and .jsonl with enough text is accepted."""
+    (tmp_path / "data").mkdir()
+    _file(tmp_path / "data" / "a.txt", "x" * 200)
+    _file(tmp_path / "data" / "b.jsonl", "\n".join(json.dumps({"text": "y" * 30}) for _ in range(3)) + "\n")
+    plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {"data": str(tmp_path / "data")})
+    cfg = load_run_config(plan, [], world_size=2)        # 202 + 3 x 32 = 298 tokens >= 4 x 65
+    assert cfg.train.data == str(tmp_path / "data")
+    with pytest.raises(DataError, match="has 298 tokens"):
+        load_run_config(plan, ["workload.seq_len=128"], world_size=2)     # 4 x 129 = 516 needed
+
+
+@pytest.mark.distributed
+def test_issue14_bad_data_under_a_plain_torchrun_is_said_by_rank_0(tmp_path):
+    """torchrun started by hand (no titan-run launcher): rank 0's line is there, once, before torchrun's report."""
+    plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {"data": _file(tmp_path / "c.csv", "a,b\n")})
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "executor.cli", "--plan", plan, "--run-dir", str(tmp_path / "run")], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("titan-run: error:")]
+    assert len(lines) == 1 and "c.csv' is a .csv file" in lines[0], p.stderr
+    assert "exitcode  : 2" in p.stderr and not (tmp_path / "run").exists()
 
 
 # --------------------------------------------------------------------------- real processes
