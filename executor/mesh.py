@@ -94,6 +94,7 @@ class Meshes:
     ep: DeviceMesh | None = None           # expert parallel (None when plan.ep == 1)
     efsdp: DeviceMesh | None = None        # FSDP ranks of one expert shard (1-D)
     expert_fsdp: DeviceMesh | None = None  # the mesh experts are fully_shard-ed on (2-D with HSDP)
+    expert_spmd: DeviceMesh | None = None  # (dp_replicate,) efsdp, ep: the spmd_types experts' mesh
 
     def axis(self, name: str) -> DeviceMesh:
         return getattr(self, name)
@@ -138,31 +139,32 @@ def build_meshes(plan: Plan, dev_type: str) -> Meshes:
         fsdp = dp_shard_cp
     dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if getattr(plan, a) > 1)
     spmd_dp = world[dp_axes] if dp_axes else None
-    ep = efsdp = expert_fsdp = None
+    ep = efsdp = expert_fsdp = expert_spmd = None
     if plan.ep > 1:
-        ep, efsdp, expert_fsdp = _expert_meshes(dp_shard_cp, dp_cp, plan)
+        ep, efsdp, expert_fsdp, expert_spmd = _expert_meshes(dp_shard_cp, dp_cp, plan)
     return Meshes(plan=plan, world=world, pp=world["pp"], dp_replicate=world["dp_replicate"],
                   dp_shard=world["dp_shard"], cp=world["cp"], tp=world["tp"], dp=dp,
                   dp_shard_cp=dp_shard_cp, dp_cp=dp_cp, fsdp=fsdp, spmd_dp=spmd_dp,
-                  ep=ep, efsdp=efsdp, expert_fsdp=expert_fsdp)
+                  ep=ep, efsdp=efsdp, expert_fsdp=expert_fsdp, expert_spmd=expert_spmd)
 
 
 def _expert_meshes(dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
-                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """(ep, efsdp, expert_fsdp): dp_shard_cp unflattened into (efsdp, ep); with HSDP the experts'
-    FSDP mesh is (dp_replicate, efsdp), from dp_cp unflattened into (dp_replicate, efsdp, ep)."""
+                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh]:
+    """(ep, efsdp, expert_fsdp, expert_spmd): dp_shard_cp unflattened into (efsdp, ep); with HSDP the
+    experts' FSDP mesh is (dp_replicate, efsdp), from dp_cp unflattened into (dp_replicate, efsdp, ep).
+    expert_spmd is the whole unflattened mesh (the spmd_types backend types the experts on it)."""
     if not hasattr(dp_shard_cp, "_unflatten"):
         raise ValueError(f"plan key 'ep' > 1 needs DeviceMesh._unflatten, which torch {torch.__version__} "
                          "does not have (use torch >= 2.9)")
     assert plan.fsdp_size % plan.ep == 0, (plan.fsdp_size, plan.ep)
     inner = dp_shard_cp._unflatten(0, (plan.expert_fsdp_size, plan.ep), ("efsdp", "ep"))
     ep, efsdp = inner["ep"], inner["efsdp"]
-    expert_fsdp = efsdp
+    expert_fsdp, expert_spmd = efsdp, inner
     if plan.dp_replicate > 1:
         full = dp_cp._unflatten(0, (plan.dp_replicate, plan.expert_fsdp_size, plan.ep),
                                 ("dp_replicate", "efsdp", "ep"))
-        expert_fsdp = full["dp_replicate", "efsdp"]
-    return ep, efsdp, expert_fsdp
+        expert_fsdp, expert_spmd = full["dp_replicate", "efsdp"], full
+    return ep, efsdp, expert_fsdp, expert_spmd
 
 
 def _hsdp_mesh(world: DeviceMesh, dp_cp: DeviceMesh, plan: Plan) -> DeviceMesh:

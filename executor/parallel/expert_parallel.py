@@ -43,8 +43,8 @@ class ExpertParallelExperts(nn.Module):
         # the same parameter names as GroupedExperts, so checkpoints do not depend on ep
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
-            self.register_parameter(name, nn.Parameter(
-                distribute_tensor(full.detach(), ep_mesh, [Shard(0)]), requires_grad=full.requires_grad))
+            self.register_parameter(name, nn.Parameter(self.shard_weight(full.detach()),
+                                                       requires_grad=full.requires_grad))
         self.last_all_to_all_s = 0.0   # wall time of this layer's all-to-alls in the last forward
         self.last_all_to_all_bytes = 0
         # per training step (the loop resets them): forward all-to-all seconds, and bytes this rank
@@ -55,24 +55,21 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] sorted by global expert; counts: [E] tokens per global expert."""
-        group = self.ep_mesh.get_group()
         t0 = time.perf_counter()
         send = counts.to(torch.int64).view(self.ep, self.n_local)          # [dest rank, local expert]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)  # [src rank, local expert]
+        recv = self.exchange_counts(send)                                  # [src rank, local expert]
         in_splits = send.sum(1).tolist()
         out_splits = recv.sum(1).tolist()
-        x_recv = all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
-        x_recv = _wait(x_recv)
+        x_recv = self.dispatch(x.contiguous(), out_splits, in_splits)
         a2a_s = time.perf_counter() - t0
 
         # received rows are ordered (src rank, local expert); experts want (local expert, src rank)
         perm = _regroup_index(recv)
-        y = grouped_swiglu(x_recv[perm], recv.sum(0), self.w1.to_local(), self.w2.to_local(), self.w3.to_local())
+        y = grouped_swiglu(x_recv[perm], recv.sum(0), *self.local_weights())
         y_back = torch.empty_like(y).index_copy_(0, perm, y) if y.shape[0] else y
 
         t1 = time.perf_counter()
-        out = _wait(all_to_all_single_autograd(y_back.contiguous(), in_splits, out_splits, group))
+        out = self.combine(y_back.contiguous(), in_splits, out_splits)
         a2a_s += time.perf_counter() - t1
         self.last_all_to_all_s = a2a_s
         self.last_all_to_all_bytes = (sum(in_splits) + sum(out_splits)) * x.shape[-1] * x.element_size()
@@ -81,6 +78,29 @@ class ExpertParallelExperts(nn.Module):
         # the original forward's, already counted
         self.step_all_to_all_bytes += self.last_all_to_all_bytes * (1 if in_backward() else 2)
         return out
+
+    # the pieces a backend provides (DTensor here; spmd_types in spmd_expert_parallel.py)
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a grouped weight [E, ...]: a DTensor Shard(0) over ep."""
+        return distribute_tensor(full, self.ep_mesh, [Shard(0)])
+
+    def exchange_counts(self, send: torch.Tensor) -> torch.Tensor:
+        """[ep, n_local] tokens this rank sends to each rank's local experts -> what it receives."""
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.ep_mesh.get_group())
+        return recv
+
+    def dispatch(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """Rows of `x` in `in_splits` blocks to the ep ranks; `out_splits` rows from each (differentiable)."""
+        return _wait(all_to_all_single_autograd(x, out_splits, in_splits, self.ep_mesh.get_group()))
+
+    def combine(self, y: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """The experts' outputs back along the reverse routes (the inverse of :meth:`dispatch`)."""
+        return self.dispatch(y, out_splits, in_splits)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) of this rank's n_local experts, plain tensors."""
+        return self.w1.to_local(), self.w2.to_local(), self.w3.to_local()
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:

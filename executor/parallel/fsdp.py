@@ -100,15 +100,26 @@ DP_AXES = ("dp_replicate", "dp_shard")
 
 
 def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: torch.dtype,
-                    reduce_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+                    reduce_dtype: torch.dtype, reshard_after_forward: bool, expert_mesh: DeviceMesh | None = None,
+                    expert_divide_factor: int = 1) -> None:
     """FSDP2 with typed params over `spmd_mesh`: its data-parallel axes (dp_replicate and/or dp_shard) and
     optionally ``tp``.  Every parameter is R on the dp axes; its tp type (set by
-    ``spmd_tensor_parallel.apply_spmd_tp``) is kept, R where there is none."""
+    ``spmd_tensor_parallel.apply_spmd_tp``) is kept, R where there is none.
+
+    Expert parallel (`expert_mesh`, ``(dp_replicate,) efsdp, ep``): each MoE block's routed experts,
+    typed on that mesh by ``spmd_expert_parallel.py``, get their own ``fully_shard`` there first
+    (shard ``efsdp``, replicate ``dp_replicate``), with the gradient divide factor and the gloo
+    SUM reduction of :func:`apply_fsdp`."""
     spmd = _spmd()
     from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.14 only (spmd_fsdp_supported checks)
     names = spmd_mesh.mesh_dim_names
     axes = _axes(spmd_mesh)
+    experts = {key: block.feed_forward.experts for key, block in model.layers.items()
+               if expert_mesh is not None and getattr(block, "moe_enabled", False)}
+    on_expert_mesh = {id(p) for e in experts.values() for p in e.parameters()}
     for p in model.parameters():
+        if id(p) in on_expert_mesh:      # typed on the experts' mesh already
+            continue
         have = spmd.get_local_type(p) if spmd.has_local_type(p) else {}
         spmd.assert_type(p, {axes[n]: have.get(axes[n], spmd.R) for n in names})
     # context parallel: the cp ranks hold different tokens, their gradients are reduced too (over dp_shard x cp)
@@ -119,7 +130,15 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
     if shard and math.prod(spmd_mesh.size(names.index(n)) for n in shard) == 1:
         # TP without a shard axis (a one-rank dp_shard): resharding would free nothing and cost a second copy
         reshard_after_forward = False
-    for block in model.layers.values():
+    for key, block in model.layers.items():
+        if key in experts:
+            expert_dims = DataParallelMeshDims(
+                shard="efsdp", replicate="dp_replicate" if "dp_replicate" in expert_mesh.mesh_dim_names else None)
+            fully_shard(experts[key], mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                        dp_mesh_dims=expert_dims)
+            experts[key].set_gradient_divide_factor(float(expert_divide_factor))
+            if expert_mesh.size(expert_mesh.mesh_dim_names.index("efsdp")) > 1 and expert_mesh.device_type != "cuda":
+                experts[key].set_force_sum_reduction_for_comms(True)    # gloo has no PREMUL_SUM (as apply_fsdp)
         fully_shard(block, mesh=spmd_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     dp_mesh_dims=dims)
     fully_shard(model, mesh=spmd_mesh, reshard_after_forward=False, mp_policy=mp, dp_mesh_dims=dims)

@@ -47,6 +47,7 @@ from .expert_parallel import apply_ep
 from .fsdp import apply_fsdp, apply_fsdp_spmd, spmd_fsdp_supported
 from .pipeline import pipeline_split
 from .spmd_context_parallel import apply_spmd_cp
+from .spmd_expert_parallel import apply_spmd_ep
 from .spmd_step import spmd_mesh
 from .spmd_tensor_parallel import apply_spmd_tp, spmd_tp_unsupported
 from .tensor_parallel import apply_tp
@@ -93,8 +94,6 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
     if plan.cp > 1 and plan.pp > 1:
         return "context parallel with pipeline parallel (cp > 1, pp > 1): the stages' cp batch is not typed yet"
-    if plan.ep > 1:
-        return "expert parallel (ep > 1): the all-to-all dispatch is not spmd_types-typed yet"
     if plan.compile:
         return "compile: the spmd_types path does not run under torch.compile yet"
     if plan.float8:
@@ -140,14 +139,19 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         apply_spmd_cp(module, meshes.cp)
     elif plan.cp > 1:
         apply_cp(module, meshes.cp)
-    if plan.ep > 1:
+    expert_mesh = meshes.expert_spmd if plan.ep > 1 and backend == "spmd_types" else None
+    if expert_mesh is not None:
+        apply_spmd_ep(module, expert_mesh, meshes.world[tuple(n for n in spmd_mesh(meshes, plan).mesh_dim_names
+                                                              if n != "tp")])
+    elif plan.ep > 1:
         apply_ep(module, meshes.ep)
     apply_ac(module, plan.ac)
     if plan.compile:
         apply_compile(module)
     if backend == "spmd_types":
         apply_fsdp_spmd(module, spmd_mesh(meshes, plan), param_dtype=precision.param_dtype,
-                        reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)
+                        reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward,
+                        expert_mesh=expert_mesh, expert_divide_factor=plan.dp_cp)
     elif uses_fsdp(plan, precision):
         apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                    reshard_after_forward=plan.reshard_after_forward,

@@ -1,0 +1,173 @@
+"""Expert parallel on the spmd_types backend (typed all-to-all, experts typed on their own mesh) and on dtensor.
+
+moe-debug (with ``aux_loss_coef: 0``, as in test_moe_parity.py: the aux loss is per rank's
+micro-batch, so it is layout dependent) trains 5 steps at seq 32, global batch 4, fp32, on
+each layout and each backend: loss and grad norm per step within 1e-4 relative of one process,
+and the two backends within 1e-5 of each other.  ``dp2xep2``: ep borrows both dp_shard ranks
+(efsdp 1); ``dp4xep2``: experts FSDP-sharded over efsdp 2, so the dense mesh (dp_shard 4) and
+the experts' mesh (efsdp 2 x ep 2) differ and the tokens cross between them at the all-to-alls;
+``hsdp2xep2``: the experts' mesh is (dp_replicate 2, efsdp 1, ep 2).
+
+The checker (``train.spmd_typecheck=true``) runs the dp4xep2 steps (same losses as without it),
+and a four-process step whose dispatch skips the all-to-all shows the checker naming the tokens
+left on the dense mesh where the experts' mesh was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from executor.parallel.fsdp import spmd_fsdp_supported
+from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
+from search_spaces.plan import Plan
+from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
+from tests.distributed.test_moe_parity import GLOBAL_BATCH, SEQ_LEN, moe_spec_file
+
+needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
+LAYOUTS = {"dp2xep2": Plan(dp_shard=2, ep=2, microbatch=2),
+           "dp4xep2": Plan(dp_shard=4, ep=2, microbatch=1),
+           "hsdp2xep2": Plan(dp_replicate=2, dp_shard=2, ep=2, microbatch=1)}
+SLOW = {"dp4xep2", "hsdp2xep2"}          # four processes
+_RUNS: dict = {}
+
+
+def _layouts():
+    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS]
+
+
+def _run(layout: str, backend: str):
+    key = (layout, backend)
+    if key not in _RUNS:
+        plan = dataclasses.replace(LAYOUTS[layout], backend=backend)
+        run, _ = assert_matches_single_process(plan, model=moe_spec_file(), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
+                                               reference_learns_by=1.0)
+        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
+        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
+        _RUNS[key] = run
+    return _RUNS[key]
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", _layouts())
+@pytest.mark.parametrize("backend", ["spmd_types", "dtensor"])
+def test_ep_matches_single_process(layout, backend):
+    _run(layout, backend)
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", _layouts())
+def test_backends_match_each_other(layout):
+    a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
+    assert_close_per_step(a.losses, b.losses, 1e-5, "loss (spmd_types vs dtensor)")
+    assert_close_per_step(a.grad_norms, b.grad_norms, 1e-5, "grad norm (spmd_types vs dtensor)")
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_typecheck_switch_runs_ep_steps_under_the_checker():
+    run = run_titan(dataclasses.replace(LAYOUTS["dp4xep2"], backend="spmd_types"), model=moe_spec_file(),
+                    seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, steps=2, extra={"train.spmd_typecheck": True})
+    assert "backend spmd_types" in run.proc.stdout, run.proc.stdout[-2000:]
+    assert_close_per_step(run.losses, _run("dp4xep2", "spmd_types").losses[:2], 1e-6, "loss (checker on vs off)")
+
+
+# --------------------------------------------------------------------------- which backend an EP plan gets
+class _Meshes:
+    spmd_dp = object()        # resolve_backend only asks whether a data-parallel axis exists
+
+
+@needs_spmd
+def test_ep_plans_get_spmd_types_silently(capsys):
+    from cost_models.specs import load_model
+    for plan in LAYOUTS.values():
+        assert spmd_plan_unsupported(plan, load_model("moe-debug")) is None
+        assert resolve_backend(plan, _Meshes(), announce=True, spec=load_model("moe-debug")) == "spmd_types"
+    assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------- the checker names a missing dispatch
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dispatch_without_all_to_all(self, x, out_splits, in_splits):
+    """Test-only dispatch that moves no data: as many rows as this rank should receive, made from its own
+    tokens (right shape; wrong data, and still typed on the dense mesh, as a skipped all-to-all leaves it)."""
+    return x.sum(0, keepdim=True).expand(sum(out_splits), -1)
+
+
+def _checker_worker(rank: int, world: int, port: int, out_q) -> None:
+    """One typechecked step of moe-debug (aux loss on) at dp_shard 4 x ep 2 on gloo, then one whose dispatch
+    skips the all-to-all; rank 0 reports (first step's verdict, second step's error)."""
+    import torch.distributed as dist
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        import spmd_types as spmd
+        from cost_models.specs import load_model
+        from executor.mesh import build_meshes
+        from executor.moe_step import moe_layers, set_aux_loss_scale
+        from executor.parallel import spmd_step
+        from executor.parallel.parallelize import Precision, build_model_parts
+        from executor.parallel.spmd_expert_parallel import SpmdExpertParallelExperts
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        plan = dataclasses.replace(LAYOUTS["dp4xep2"], backend="spmd_types")
+        spec = load_model("moe-debug")
+        meshes = build_meshes(plan, "cpu")
+        stages = build_model_parts(spec, plan, meshes, precision=Precision(torch.float32, torch.float32),
+                                   backend="spmd_types", device=torch.device("cpu"))
+        assert set_aux_loss_scale(moe_layers(stages), spec, plan) > 0
+        model = stages[0][1]
+        tok = torch.randint(0, spec.vocab_size, (1, 32), generator=torch.Generator().manual_seed(rank))
+        verdicts = []
+        for broken in (False, True):
+            if broken:
+                SpmdExpertParallelExperts.dispatch = _dispatch_without_all_to_all
+            try:
+                loss = spmd_step.forward_backward(model, tok, tok.roll(-1, 1), meshes, plan, typecheck=True)
+                verdicts.append("ok" if torch.isfinite(loss) else f"loss {loss}")
+            except spmd.SpmdTypeError as e:
+                verdicts.append(f"SpmdTypeError: {e}")
+            model.zero_grad()
+        if rank == 0:
+            out_q.put(tuple(verdicts))
+    except Exception:        # noqa: BLE001 (reported to the test)
+        out_q.put(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_checker_names_a_dispatch_that_skips_the_all_to_all():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_checker_worker, args=(r, 4, port, q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        ok, broken = q.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    assert ok == "ok", ok
+    # the experts' weights are typed on (efsdp, ep); tokens that never crossed are still on dp_shard
+    assert broken.startswith("SpmdTypeError:"), broken
+    assert "not orthogonal" in broken and "mesh_efsdp" in broken and "mesh_ep" in broken, broken
