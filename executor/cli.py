@@ -37,8 +37,9 @@ EXIT_BAD_INPUT = 2
 BAD_INPUT_GRACE_S = 5.0   # a worker other than rank 0 waits this long before it exits on bad input (see worker_main)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="titan-run", description=__doc__.split("\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    """titan-run's training flags (export / import and --dry-run have their own parsers, see main)."""
+    p = argparse.ArgumentParser(prog="titan-run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Plan file keys: model, hardware, workload {seq_len, global_batch}, plan {...}, "
                                        "train {steps, lr, warmup, seed, data, tokenizer, dtype, ...}. "
@@ -69,6 +70,11 @@ def parse_args(argv):
     g.add_argument("--rdzv-id", help="torchrun --rdzv-id (a job id shared by the nodes)")
     g.add_argument("--fallback-plan", help="plan YAML to use when an elastic restart leaves a world the plan "
                                            "does not fit (default: keep tp/pp/cp/ep, the rest in dp_shard)")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.resume:
         args.set = list(args.set) + [f"train.resume={args.resume}"]

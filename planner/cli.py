@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Enumerate every DP x PP x TP x CP x EP layout (plus micro-batch, pipeline schedule, "
                     "activation checkpointing, FSDP resharding, compile, float8) of a model over N devices, "
                     "score them with analytic memory and time models, and write the best as plan.yaml.",
-        epilog="Subcommands: plan (default), estimate, list. 'titan-plan SUBCOMMAND --help' for details.")
+        epilog="Subcommands: plan (default), estimate, profile, calibrate, list. 'titan-plan SUBCOMMAND --help' "
+               "for details.")
     sub = p.add_subparsers(dest="command")
     for add in (_add_plan_parser, _add_estimate_parser, _add_profile_parser, _add_calibrate_parser,
                 _add_list_parser):
@@ -200,7 +201,7 @@ def _add_calibrate_parser(sub) -> None:
 
 def _add_list_parser(sub) -> None:
     pl = sub.add_parser("list", help="list presets", description="List model, hardware or space presets.")
-    pl.add_argument("what", choices=("models", "hardware", "spaces"))
+    pl.add_argument("what", choices=("models", "hardware", "spaces"), help="which presets to list")
     pl.set_defaults(func=cmd_list)
 
 
