@@ -36,8 +36,7 @@ class Progress:
         self._initial, self._t0, self._eta = int(initial), time.monotonic(), eta   # eta: items of like length
         self.bar = None
         if _is_tty(self.stream):
-            # a pty that reports no size (0 x 0) would hide the bar: give it one
-            width = {"dynamic_ncols": True} if _columns(self.stream) else {"ncols": 100, "nrows": 20}
+            width = {"dynamic_ncols": True} if _sized(self.stream) else {"ncols": 100, "nrows": 20}
             self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, file=self.stream, leave=True,
                             **width)
 
@@ -92,11 +91,13 @@ class Progress:
         self.close()
 
 
-def _columns(stream) -> int:
+def _sized(stream) -> bool:
+    """The terminal reports its size (a bare pty says 0 x 0, and tqdm then draws nothing)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns
+        size = os.get_terminal_size(stream.fileno())
     except (AttributeError, ValueError, OSError):
-        return 0
+        return False
+    return size.columns > 0 and size.lines > 0
 
 
 def _is_tty(stream) -> bool:
