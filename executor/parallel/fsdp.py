@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 
 def _mp_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -99,6 +101,22 @@ def _axes(mesh: DeviceMesh) -> dict:
 DP_AXES = ("dp_replicate", "dp_shard")
 
 
+def forget_mesh_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches (call before building on new meshes).
+
+    Their keys compare meshes by value (shape, ranks, axis names), not by object or process group, so
+    once a second mesh equal to an earlier one exists in the process, an op on a DTensor of the new mesh
+    can return a DTensor on the *earlier* mesh object.  Two places meet it: a second spmd_types model
+    (``nn.Parameter(DTensor)`` detaches through the cache, and ``fully_shard(..., dp_mesh_dims=...)``
+    then refuses the parameter: "Expected param's DTensor mesh to be the same mesh passed to
+    fully_shard, but got different mesh objects"), and the dry run's next fake world (collectives sent
+    to the previous world's destroyed group: "Could not resolve the process group registered under
+    the name ...")."""
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: torch.dtype,
                     reduce_dtype: torch.dtype, reshard_after_forward: bool, expert_mesh: DeviceMesh | None = None,
                     expert_divide_factor: int = 1) -> None:
@@ -112,6 +130,7 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
     SUM reduction of :func:`apply_fsdp`."""
     spmd = _spmd()
     from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.14 only (spmd_fsdp_supported checks)
+    forget_mesh_caches()     # a model built before on equal meshes would hand FSDP its mesh objects
     names = spmd_mesh.mesh_dim_names
     axes = _axes(spmd_mesh)
     experts = {key: block.feed_forward.experts for key, block in model.layers.items()

@@ -76,7 +76,8 @@ def uses_fsdp(plan: Plan, precision: Precision) -> bool:
 
 
 def tp_shards_embedding(plan: Plan) -> bool:
-    """Vocab-shard the embedding under TP, except with compile (docs/torch_on_cpu.md §8c)."""
+    """Vocab-shard the embedding under dtensor TP, except with compile (docs/torch_on_cpu.md §8c; the
+    spmd_types TP always vocab-shards it: exact under compile, §8e)."""
     return not plan.compile
 
 
@@ -94,8 +95,6 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
     if plan.cp > 1 and plan.pp > 1:
         return "context parallel with pipeline parallel (cp > 1, pp > 1): the stages' cp batch is not typed yet"
-    if plan.compile:
-        return "compile: the spmd_types path does not run under torch.compile yet"
     if plan.float8:
         return "float8: float8 linears are not spmd_types-typed yet"
     if plan.tp > 1 and spec is not None and (reason := spmd_tp_unsupported(spec)) is not None:
@@ -107,9 +106,10 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
     """The backend a run uses for the plan's ``backend`` knob.
 
     ``spmd_types`` (the default) runs data-parallel layouts (FSDP/HSDP) and tensor
-    parallel (TP/SP, alone or with FSDP/HSDP) on dense models, eager: typed local
-    parameters, explicit typed collectives (``fsdp.py``, ``spmd_tensor_parallel.py``,
-    ``spmd_step.py``).  Elsewhere the run uses ``dtensor``, announced in ONE line
+    parallel (TP/SP, alone or with FSDP/HSDP) on dense models, eager or with per-block
+    compile (erasure mode: the typed collectives run as eager islands between the compiled
+    regions): typed local parameters, explicit typed collectives (``fsdp.py``,
+    ``spmd_tensor_parallel.py``, ``spmd_step.py``).  Elsewhere the run uses ``dtensor``, announced in ONE line
     (with `announce`) naming the missing piece: the torch version when this torch has no
     spmd_types FSDP2 (torch < 2.14), else what the plan needs that the spmd path lacks.
     """

@@ -32,8 +32,8 @@ are then DTensors on that mesh (``_StridedShard`` / ``Shard`` / ``Replicate``
 from the annotations), so initialization, the grad-norm clip and checkpoints see
 the same placements as on the DTensor backend.
 
-Covered: dense GQA blocks (Llama).  MLA and MoE blocks are not typed yet
-(:func:`spmd_tp_unsupported` says so and the run uses ``dtensor``).
+Covered: dense GQA blocks (Llama) and MoE blocks (:data:`MOE_BLOCK_SHARDING`).  MLA blocks are
+not typed yet (:func:`spmd_tp_unsupported` says so and the run uses ``dtensor``).
 """
 from __future__ import annotations
 
@@ -107,13 +107,17 @@ ROOT_SHARDING: dict[str, ModuleSharding] = {
     "output": ModuleSharding(params={"weight": COLWISE}, input=ALL_GATHER),    # logits stay vocab-sharded
 }
 
+# a MoE block: the attention as in BLOCK_SHARDING; the MoE layer is not TP-sharded: router, routed and shared
+# experts run on this rank's sequence-parallel tokens (S(1), no gather), their parameters R on tp, so their
+# gradients are pending sums over tp, reduced like the norms' (the routed experts: spmd_expert_parallel.py)
+MOE_BLOCK_SHARDING: dict[str, ModuleSharding] = {k: v for k, v in BLOCK_SHARDING.items()
+                                                 if not k.startswith("feed_forward")}
+
 
 def spmd_tp_unsupported(spec) -> str | None:
     """None if the spmd TP tables cover every block of `spec`, else what is missing."""
     if getattr(spec, "attention", "gqa") == "mla":
         return "MLA attention has no spmd_types TP sharding table yet"
-    if getattr(spec, "is_moe", False):
-        return "MoE blocks have no spmd_types TP sharding table yet"
     return None
 
 
@@ -142,7 +146,9 @@ def _local_param(p: nn.Parameter, kind: str, tp: _TP) -> nn.Parameter:
 
 
 def _gather_seq(x: torch.Tensor, tp: _TP) -> torch.Tensor:
-    return spmd.all_gather(x, tp.group, src=spmd.S(SEQ_DIM), dst=spmd.R)
+    # backward: reduce-scatter of the gradient in the activation dtype (bf16 under mixed precision), as
+    # DTensor's sequence parallel does; spmd_types asks for that choice explicitly below fp32
+    return spmd.all_gather(x, tp.group, src=spmd.S(SEQ_DIM), dst=spmd.R, backward_options={"op_dtype": x.dtype})
 
 
 def _scatter_seq(x: torch.Tensor, tp: _TP) -> torch.Tensor:
@@ -151,6 +157,17 @@ def _scatter_seq(x: torch.Tensor, tp: _TP) -> torch.Tensor:
 
 # boundary name -> typed collective (x, tp) -> x
 BOUNDARY_OPS = {ALL_GATHER: _gather_seq, REDUCE_SCATTER: _scatter_seq}
+
+
+def _eager(hook):
+    """A boundary hook (typed collective, ``reinterpret``) as an eager island inside a compiled block.
+
+    spmd_types 0.3's collectives and ``reinterpret`` read ``x.grad_fn``, which Dynamo cannot trace:
+    inside a compiled block each call would break the graph anyway, and Dynamo would then retry on
+    the op's own frames (the autograd.Function forwards, recompiled per process group).  Excluded
+    explicitly, the hook runs as in eager mode (erasure: just the collective) and the compute
+    between the boundaries is compiled (docs/torch_on_cpu.md §8e)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict) -> None:
@@ -180,13 +197,13 @@ def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict)
 
     if sharding.input is not None:
         gather = _boundary_op(sharding.input, "input")
-        module.register_forward_pre_hook(lambda mod, args: (gather(args[0], tp), *args[1:]))
+        module.register_forward_pre_hook(_eager(lambda mod, args: (gather(args[0], tp), *args[1:])))
     if sharding.partial_output:
         module.register_forward_hook(
-            lambda mod, args, out: spmd.reinterpret(out, tp.group, src=spmd.V, dst=spmd.P))
+            _eager(lambda mod, args, out: spmd.reinterpret(out, tp.group, src=spmd.V, dst=spmd.P)))
     if sharding.output is not None:
         scatter = _boundary_op(sharding.output, "output")
-        module.register_forward_hook(lambda mod, args, out: scatter(out, tp))
+        module.register_forward_hook(_eager(lambda mod, args, out: scatter(out, tp)))
 
 
 def _boundary_op(name: str, where: str):
@@ -215,7 +232,8 @@ def apply_spmd_tp(model: nn.Module, tp_mesh: DeviceMesh, *, block_sharding: dict
     done: dict = {}
     _apply_table(model, ROOT_SHARDING if root_sharding is None else root_sharding, tp, done)
     for block in model.layers.values():
-        _apply_table(block, BLOCK_SHARDING if block_sharding is None else block_sharding, tp, done)
+        default = MOE_BLOCK_SHARDING if getattr(block, "moe_enabled", False) else BLOCK_SHARDING
+        _apply_table(block, default if block_sharding is None else block_sharding, tp, done)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh,

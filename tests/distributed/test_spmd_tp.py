@@ -1,13 +1,17 @@
 """Tensor parallel + sequence parallel on both backends: spmd_types (local SPMD, typed collectives) and dtensor.
 
 Each layout runs on each backend and matches the single-process run (loss and grad norm per
-step within 1e-4 relative); the two backends match each other within 1e-5.  A single-process
-fake-process-group test shows the checker (``train.spmd_typecheck``) names a collective that
-a TP block is missing.
+step within 1e-4 relative); the two backends match each other within 1e-5.  The layouts
+include per-block compile (TP 2, FSDP 2 x TP 2): on spmd_types with the vocab-parallel
+embedding, which the dtensor backend has to leave replicated under compile
+(docs/torch_on_cpu.md §8c, §8e).  A single-process fake-process-group test shows the checker
+(``train.spmd_typecheck``) names a collective that a TP block is missing; another builds two
+spmd_types models in one process.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
@@ -28,7 +32,9 @@ from tests.distributed.harness import assert_close_per_step, assert_matches_sing
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
-           "hsdp2xtp2": Plan(dp_replicate=2, tp=2, microbatch=2)}
+           "hsdp2xtp2": Plan(dp_replicate=2, tp=2, microbatch=2),
+           "tp2_compile": Plan(tp=2, microbatch=4, compile=True),
+           "dp2xtp2_compile": Plan(dp_shard=2, tp=2, microbatch=2, compile=True)}
 _RUNS: dict = {}
 
 
@@ -63,7 +69,7 @@ def test_backends_match_each_other(layout):
 # --------------------------------------------------------------------------- the checker (one process, fake PG)
 def _checker_case(skip_reduce_scatter: bool) -> str:
     """One typechecked TP step of llama3-debug at tp=2 on a fake process group (rank 0 of 2), in a fresh
-    process (FSDP's spmd_types restore does not tell a second model's meshes from the first's).
+    process (the case alters the module's tables and starts a process group).
     With `skip_reduce_scatter` the attention output projection skips the SP reduce-scatter (a
     test-only boundary that only keeps this rank's sequence chunk).  Returns "ok" or the error."""
     from torch.testing._internal.distributed.fake_pg import FakeStore   # test-only fake process group
@@ -91,6 +97,26 @@ def _in_fresh_process(skip_reduce_scatter: bool) -> str:
         return pool.submit(_checker_case, skip_reduce_scatter).result(timeout=600)
 
 
+def _two_models_case() -> list:
+    """Build, materialize and step two spmd_types FSDP 2 x TP 2 models of llama3-debug one after the other in
+    one process (fake process group, rank 0 of 4, new meshes for each); returns each one's loss and
+    whether every parameter's FSDP storage mesh is that model's own mesh."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # test-only fake process group
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    plan = Plan(dp_shard=2, tp=2, microbatch=2)
+    tok = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(2):
+        meshes = build_meshes(plan, "cpu")
+        model = build_model_parts(load_model("llama3-debug"), plan, meshes, precision=Precision(torch.float32,
+                                  torch.float32), backend="spmd_types", device=torch.device("cpu"))[0][1]
+        tp_group = meshes.tp.get_group()
+        own = all(p.device_mesh.get_group("tp") is tp_group for p in model.parameters())
+        loss = spmd_step.forward_backward(model, tok, tok.roll(-1, 1), meshes, plan, typecheck=True)
+        out.append((float(loss), own))
+    return out
+
+
 @needs_spmd
 def test_checker_accepts_the_tp_tables():
     assert _in_fresh_process(False) == "ok"
@@ -105,6 +131,16 @@ def test_checker_names_a_skipped_sequence_parallel_reduce_scatter():
     assert "cannot combine with Varying" in msg and "reduce_scatter" in msg and "In add(" in msg, msg
 
 
+@needs_spmd
+def test_a_second_spmd_model_in_one_process_builds_and_steps():
+    # FSDP's spmd path checks that a parameter's DTensor mesh IS the mesh it was given; DTensor's caches
+    # compare meshes by value and handed the second model the first one's ("different mesh objects")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        (first, own1), (second, own2) = pool.submit(_two_models_case).result(timeout=600)
+    assert own1 and own2
+    assert first == second and math.isfinite(first)
+
+
 # --------------------------------------------------------------------------- which backend a plan gets
 class _Meshes:
     spmd_dp = object()        # resolve_backend only asks whether a data-parallel axis exists
@@ -112,7 +148,6 @@ class _Meshes:
 
 @pytest.mark.parametrize("plan, missing", [
     (Plan(pp=2, cp=2, microbatch=1, n_microbatches=2), "context parallel"),   # cp alone is typed: test_spmd_cp.py
-    (Plan(dp_shard=2, tp=2, compile=True), "compile"),
     (Plan(dp_shard=2, float8=True), "float8"),
 ])
 def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missing, capsys):
@@ -124,7 +159,8 @@ def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missin
 
 @needs_spmd
 def test_tp_and_fsdp_plans_get_spmd_types_silently(capsys):
-    for plan in (Plan(tp=2), Plan(dp_shard=2, tp=2), Plan(dp_replicate=2, dp_shard=2)):
+    for plan in (Plan(tp=2), Plan(dp_shard=2, tp=2), Plan(dp_replicate=2, dp_shard=2),
+                 Plan(dp_shard=2, compile=True), Plan(dp_shard=2, tp=2, compile=True)):
         assert resolve_backend(plan, _Meshes(), announce=True, spec=load_model("llama3-debug")) == "spmd_types"
     assert resolve_backend(Plan(tp=2, backend="dtensor"), _Meshes(), announce=True) == "dtensor"
     assert capsys.readouterr().err == ""
