@@ -377,7 +377,8 @@ WORKLOAD_KEY_BADS = {"seq_len": [0, -1, 100000, 1025, HUGE, True, "64", 1.5, Non
                      "dtype": ["fp8", "float16", "", 16, None], "state_layout": ["bogus", "megatron", 1],
                      "zero": [-1, "1", True], "attention_impl": ["sdpa", "materialized"],
                      "dropout": ["no", 1, True], "sequence_parallel": ["no", 1], "selective_ac": ["all", 3],
-                     "grad_dtype": ["fp16", "bf16", 2], "loss_impl": ["liger", "fused", 1]}
+                     "grad_dtype": ["fp16", "bf16", 2], "loss_impl": ["liger", "fused", 1],
+                     "grad_accum": ["deepspeed", "hp_copy", 0]}
 
 
 def run_docs() -> list[tuple[str, str, dict, list[str]]]:

@@ -39,7 +39,9 @@ Rules for the extra set (same loader; a row's `framework:` key, else its id pref
 framework):
 * `model:` may name a preset (`preset: llama3-405b`) or give the dims inline, with `mlp`, `norm`
   and `tie_embeddings` where the family differs from Llama's (MPT: gelu, layernorm, tied).
-* hardware: A100 40GB -> a100-40g; B200 -> b200; H800 -> the h800 preset if one exists (else
+* hardware: a row's `hardware.nic_gbps` / `gpus_per_nic` (the cluster's NICs as its source states
+  them, e.g. BLOOM's Jean Zay: 4 Omni-Path 100 Gb/s links per 8-GPU node) replace the preset's.
+  A100 40GB -> a100-40g; B200 -> b200; H800 -> the h800 preset if one exists (else
   the row is not expressible).
 * `measured.step_time_s` is turned into tokens/s/GPU as global_batch * seq_len / (t * GPUs), and
   `measured.tokens_per_sec_total` (the whole job's) as that / GPUs.
@@ -66,6 +68,13 @@ framework):
   - everything else: fp32 main gradients (Megatron-LM forces accumulate_allreduce_grads_in_fp32 for
     bf16) and the eager loss on fp32-upcast logits (Megatron-LM's default: no
     --cross-entropy-loss-fusion; TorchTitan's cross_entropy on .float() logits).
+* gradient accumulation (Workload.grad_accum): megatron-deepspeed-2022 -> hp_copy (its BF16
+  optimizer: the DeepSpeed pipeline engine calls `optimizer.update_hp_grads()` after every
+  micro-batch's backward, deepspeed/runtime/pipe/engine.py `_exec_backward_pass`); the other
+  Megatron stacks fuse it into the weight-gradient GEMM (gradient_accumulation_fusion, auto);
+  the FSDP stacks use autograd's accumulation (auto).  megatron-deepspeed-2022 also has
+  dp_overlap = 0: DeepSpeed's pipeline `TrainSchedule` issues `ReduceGrads` as its own instruction
+  after the last micro-batch's backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it.
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
@@ -203,6 +212,9 @@ def build_case(row) -> Case:
         raise ValueError(str(row["not_scorable"]))
     model = _model(row)
     hw = load_hardware(_hardware(hwr["gpu"]))
+    nic = {k: hwr[k] for k in ("nic_gbps", "gpus_per_nic") if hwr.get(k) is not None}
+    if nic:           # the cluster's stated NICs, where they differ from the preset's node
+        hw = dataclasses.replace(hw, inter_node_bw_gbs=None, **nic)
     source = str(row.get("framework") or rid.split("_")[0])
     if source not in MEGATRON + FSDP_STACKS:
         raise ValueError(f"framework '{source}' has no mapping rules (known: {', '.join(MEGATRON + FSDP_STACKS)})")
@@ -243,14 +255,17 @@ def build_case(row) -> Case:
                         sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
                         selective_ac="attention" if megatron else "op",
                         grad_dtype="bf16" if source in NVIDIA_RECIPES and state == "megatron" else "fp32",
-                        loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "eager")
+                        loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "eager",
+                        grad_accum="hp_copy" if source == "megatron-deepspeed-2022" else "auto")
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
+    if source == "megatron-deepspeed-2022":
+        flags["dp_overlap"] = 0.0     # DeepSpeed's pipeline TrainSchedule reduces after the last backward
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
     plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
                 schedule=schedule, stages_per_rank=v, ac=ac or "none", compile=compile_, float8=f8,
-                reshard_after_forward=reshard)
+                reshard_after_forward=reshard, runnable=False)    # a what-if, as `titan-plan estimate`
     if ac is None:      # recompute not stated: the estimate CLI's choice without --ac
         plans = [dataclasses.replace(plan, ac=a) for a in AC_ORDER]
         est = estimate(CandidateTable.from_plans(plans), model, hw, workload, Coefficients().replace(**flags))

@@ -40,12 +40,6 @@ def logit_bytes(table, workload) -> tuple[np.ndarray, np.ndarray]:
     return 4.0 + np.where(table.pp > 1, e, 0.0), np.full(len(table), LOGIT_BYTES - 4.0)
 
 
-def grad_bytes(workload) -> float:
-    """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
-    layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
-    return 2.0 if workload.state_layout == "megatron" and workload.grad_dtype == "bf16" else 4.0
-
-
 # --------------------------------------------------------------------------- activations
 # Terms of the bytes a block keeps per token, by how tensor parallelism divides them:
 SEQ, SHARD, SCORE, FULL, FULL_TP, SEQ_TP = range(6)
@@ -436,7 +430,7 @@ def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, 
     z = workload.zero
     master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
     params = e * (sh if z >= 3 else local)
-    grads = grad_bytes(workload) * (sh if z >= 2 else local)
+    grads = workload.grad_elem_bytes * (sh if z >= 2 else local)
     optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
     fsdp = fsdp_at_turn = np.zeros(len(table))
     return params, grads, optimizer, fsdp, fsdp_at_turn

@@ -309,6 +309,37 @@ def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tup
     return dp, opt_bytes
 
 
+def grad_accum_bytes(table, model, workload, rp) -> np.ndarray:
+    """Memory traffic per step (bytes) of adding each micro-batch's weight gradients to the step's
+    (``workload.grad_accum``), on the worst rank's parameters:
+
+    * autograd: ``grad += g`` on every micro-batch after the first reads both and writes one, in
+      the gradients' dtype -- on the unsharded gradients when pipelining defers the gradient sync
+      (fsdp2, pp > 1), else on this rank's shard after each micro-batch's reduce-scatter (fsdp2)
+      or on the whole local gradients (megatron);
+    * fused: the weight-gradient GEMM accumulates into the main gradients (beta = 1): nothing;
+    * hp_copy: DeepSpeed's BF16 optimizer after every micro-batch (``update_hp_grads``,
+      deepspeed/runtime/bf16_optimizer.py, called by the pipeline engine's backward pass): the
+      bf16 gradient is read, cast into an fp32 temporary (written, read) and added to the fp32
+      copy (read, written): 2 + 4 + 4 + 4 + 4 = 18 B per parameter.
+    """
+    nmb = table.n_microbatches.astype(np.float64)
+    dense_p, expert_p = rp["last_dense"], rp["last_expert"]
+    local = dense_p + expert_p
+    mode = workload.grad_accum_mode
+    if mode == "fused":
+        return np.zeros(len(table))
+    if mode == "hp_copy":
+        return 18.0 * local * nmb
+    g = workload.grad_elem_bytes
+    if workload.state_layout == "fsdp2":
+        shard = dense_p / table.fsdp_size + expert_p / table.expert_fsdp_size
+        held = np.where(table.pp > 1, local, shard)
+    else:
+        held = local
+    return 3.0 * g * held * np.maximum(nmb - 1.0, 0.0)
+
+
 def _megatron_data_parallel(table, hw, workload, coeffs, st, rp) -> tuple[np.ndarray, np.ndarray]:
     """`data_parallel` for the Megatron layout (distributed optimizer, or an all-reduce at zero 0)."""
     ov = coeffs.dp_overlap
@@ -359,8 +390,8 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
-    dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st,
-                                  facts=_broadcast(layout_facts(sub, model), inverse))
+    facts = _broadcast(layout_facts(sub, model), inverse)
+    dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way
     ppl = links["pp"]
@@ -370,7 +401,9 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
 
     # CPU hosts running more processes than cores: the work of each process takes longer
     slow = hw.oversubscription(table.world_size)
-    other = slow * opt_bytes / r.mem + coeffs.step_overhead_s + nmb * coeffs.microbatch_overhead_s
+    accum = grad_accum_bytes(table, model, workload, facts["rp"])
+    other = (slow * (opt_bytes + accum) / r.mem + coeffs.step_overhead_s
+             + nmb * coeffs.microbatch_overhead_s)
     return {
         "compute": slow * nmb * per_mb_compute,
         "tp_comm": nmb * (st["tp_f"] + st["tp_b"]),

@@ -45,6 +45,12 @@ class Workload:
     the fp32 log-softmax, its gradient and the input gradient at the turn) or ``fused`` (a fused
     or chunked kernel -- Megatron's cross_entropy_loss_fusion, flash-attn's / Liger's, a compiled
     loss -- keeping the logits and a per-token log-sum-exp, the gradient written in place).
+    ``grad_accum`` is how a micro-batch's weight gradients join the step's: ``autograd`` (PyTorch's
+    AccumulateGrad, ``grad += g`` after the first micro-batch: this executor, TorchTitan, FSDP),
+    ``fused`` (the weight-gradient GEMM accumulates into the main-gradient buffer: Megatron's
+    gradient_accumulation_fusion, no extra pass) or ``hp_copy`` (DeepSpeed's BF16 optimizer: after
+    every micro-batch's backward the pipeline engine adds the bf16 gradients into fp32 copies,
+    ``update_hp_grads``); ``auto`` is ``autograd`` for fsdp2 and ``fused`` for megatron.
     """
 
     seq_len: int = field(metadata=_POSITIVE)
@@ -58,12 +64,26 @@ class Workload:
     selective_ac: Literal["matmul", "op", "attention"] = "matmul"
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["eager", "fused"] = "eager"            # cross-entropy kernel
+    grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
 
     def __post_init__(self) -> None:
         check_fields(self, where="workload", error=SpecError)
         if self.grad_dtype != "fp32" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'grad_dtype' is {self.grad_dtype!r} with state_layout "
                             f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: fp32)")
+
+    @property
+    def grad_elem_bytes(self) -> float:
+        """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
+        layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
+        return 2.0 if self.state_layout == "megatron" and self.grad_dtype == "bf16" else 4.0
+
+    @property
+    def grad_accum_mode(self) -> str:
+        """``grad_accum`` with ``auto`` resolved by the state layout."""
+        if self.grad_accum != "auto":
+            return self.grad_accum
+        return "fused" if self.state_layout == "megatron" else "autograd"
 
     @property
     def global_batch_tokens(self) -> int:

@@ -29,7 +29,7 @@ DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
-                  "selective_ac", "grad_dtype", "loss_impl")
+                  "selective_ac", "grad_dtype", "loss_impl", "grad_accum")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -46,6 +46,9 @@ WORKLOAD_HELP = {
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: eager (fp32-upcast logits, this executor, default) or fused (a fused / "
                  "chunked kernel that keeps only the logits and writes their gradient in place)",
+    "grad_accum": "how micro-batch gradients accumulate: auto (default: autograd for fsdp2, fused for megatron), "
+                  "autograd (grad += g), fused (in the weight-gradient GEMM, Megatron) or hp_copy (DeepSpeed's "
+                  "BF16 optimizer copies into fp32 after every micro-batch)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 

@@ -165,9 +165,10 @@ def test_pareto_front_is_exactly_the_non_dominated_set():
 # ---------------------------------------------------------------------------- every workload key, flag and file
 WORKLOAD_ARGS = ["--state-layout", "megatron", "--zero", "1", "--attention-impl", "materialized", "--dropout",
                  "--no-sequence-parallel", "--selective-ac", "attention", "--grad-dtype", "bf16",
-                 "--loss-impl", "fused"]
+                 "--loss-impl", "fused", "--grad-accum", "hp_copy"]
 WORKLOAD_SET = {"state_layout": "megatron", "zero": 1, "attention_impl": "materialized", "dropout": True,
-                "sequence_parallel": False, "selective_ac": "attention", "grad_dtype": "bf16", "loss_impl": "fused"}
+                "sequence_parallel": False, "selective_ac": "attention", "grad_dtype": "bf16", "loss_impl": "fused",
+                "grad_accum": "hp_copy"}
 BASE_8B = ["--model", "llama3-8b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "2048",
            "--global-batch", "64"]
 
@@ -211,7 +212,11 @@ def test_plan_file_workload_keys_are_read_and_typos_refused(tmp_path, capsys):
     doc = _estimate_json(capsys, "--plan", str(f))
     assert {k: doc["workload"][k] for k in WORKLOAD_SET} == WORKLOAD_SET and doc["gpus"] == 16
     # a flag wins over the file
-    doc = _estimate_json(capsys, "--plan", str(f), "--state-layout", "fsdp2", "--sequence-parallel", "--tp", "4")
+    # (bf16 gradients are the megatron layout's: switching the layout by flag also sets them back)
+    r = run_cli("estimate", "--plan", str(f), "--state-layout", "fsdp2")
+    assert r.returncode == 2 and "'grad_dtype' is 'bf16' with state_layout 'fsdp2'" in r.stderr, r.stderr
+    doc = _estimate_json(capsys, "--plan", str(f), "--state-layout", "fsdp2", "--grad-dtype", "fp32",
+                         "--sequence-parallel", "--tp", "4")
     assert doc["workload"]["state_layout"] == "fsdp2" and doc["workload"]["sequence_parallel"] is True
     assert (doc["plan"]["tp"], doc["plan"]["dp_shard"]) == (4, 4)     # dp_shard re-derived for the new tp
     # the search reads its question from a plan file too

@@ -186,3 +186,24 @@ def test_all_reduce_takes_the_tree_latency_across_many_nodes():
     node = group_link(np.array([8]), np.array([1]), hw, coeffs)
     assert all_reduce_time(8, n, node.bw, node.alpha, node.tree_latency)[0] == pytest.approx(
         all_reduce_time(8, n, node.bw, node.alpha)[0])
+
+
+def test_gradient_accumulation_pass_by_framework():
+    """grad_accum: autograd adds grad += g after the first micro-batch (12 B per fp32 element it holds:
+    the unsharded gradients under pipelining, the shard otherwise); hp_copy (DeepSpeed's BF16 optimizer)
+    18 B per local parameter after every micro-batch; fused (Megatron) nothing."""
+    m = load_model("llama3-8b")
+    tab = CandidateTable.from_plans([Plan(dp_shard=4, pp=2, n_microbatches=8), Plan(dp_shard=8, n_microbatches=8),
+                                     Plan(dp_shard=8, n_microbatches=1)])
+    rp = S.layout_facts(tab, m)["rp"]
+    local = rp["last_dense"] + rp["last_expert"]
+    auto = S.grad_accum_bytes(tab, m, Workload(seq_len=2048, global_batch=64), rp)
+    assert auto[0] == pytest.approx(12.0 * local[0] * 7)                  # unsharded, pipelined
+    assert auto[1] == pytest.approx(12.0 * local[1] / 8 * 7)              # the shard, after each reduce-scatter
+    assert auto[2] == 0.0                                                 # one micro-batch: nothing to add
+    megatron = dict(seq_len=2048, global_batch=64, state_layout="megatron")
+    assert not S.grad_accum_bytes(tab, m, Workload(**megatron), rp).any()   # auto = fused
+    hp = S.grad_accum_bytes(tab, m, Workload(**megatron, grad_accum="hp_copy"), rp)
+    np.testing.assert_allclose(hp, 18.0 * local * tab.n_microbatches)
+    bf16 = S.grad_accum_bytes(tab, m, Workload(**megatron, grad_accum="autograd", grad_dtype="bf16"), rp)
+    np.testing.assert_allclose(bf16, 6.0 * local * np.maximum(tab.n_microbatches - 1, 0))
