@@ -28,6 +28,7 @@ Everything here is checked before any process group starts
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,6 +316,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         key = "attention_impl" if wl.attention_impl != "fused" else "dropout"
         raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
                           "without dropout (that key describes other frameworks to the planner)")
+    if wl.grad_accum_mode != "autograd":
+        raise ConfigError(f"workload key 'grad_accum' is {show(wl.grad_accum)}, but titan-run accumulates "
+                          "gradients with autograd (auto or autograd; that key describes other frameworks)")
     if wl.loss_impl != "eager":
         raise ConfigError(f"workload key 'loss_impl' is {show(wl.loss_impl)}, but titan-run computes the loss on "
                           "fp32-upcast logits (eager; that key describes other frameworks to the planner)")
@@ -345,7 +349,6 @@ def _exists(p: Path, *, file: bool = False) -> bool:
 
 
 def _module_exists(name: str) -> bool:
-    import importlib.util
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
