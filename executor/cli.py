@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from search_spaces.plan import Plan
+from search_spaces.typed import InputError
 
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 from .elastic import launcher_world, load_elastic_config
@@ -203,8 +204,9 @@ def worker_main(args) -> int:
             train(cfg, run_dir)
             code = 0
     except BaseException as e:     # noqa: BLE001 - report, then leave without waiting for peers
-        line = expected_failure(e, run_dir or args.run_dir)
-        if line is not None:       # the environment refused (a path, permissions, a full disk): one line, exit 2
+        line = str(e) if isinstance(e, InputError) else expected_failure(e, run_dir or args.run_dir)
+        if line is not None:       # bad input found late, or the environment refused (a path, permissions, a
+            # full disk): one line, exit 2
             print_once(line)
             os._exit(EXIT_BAD_INPUT)
         if peer_failure(e) and int(os.environ.get("WORLD_SIZE", "1")) > 1:   # another rank failed: it is blamed

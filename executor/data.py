@@ -140,7 +140,13 @@ def load_token_stream(source: str, tokenizer, max_bytes: int) -> np.ndarray:
 
 def check_corpus(source: str, tokenizer, max_bytes: int, *, seq_len: int, global_batch: int) -> None:
     """Before any process group: read the corpus as training will (the same files, documents and tokenizer)
-    until one global batch of tokens is there; every problem is one DataError line naming the file."""
+    until one global batch of tokens is there; every problem is one DataError line naming the file.
+
+    The built-in ``stdlib`` corpus is known text and is not read here: the planner's dry runs name no data
+    and plan batches of any size (a real run on it that is too small for the batch stops in `PackedBatches`,
+    one line too)."""
+    if source == "stdlib":
+        return
     need, have = tokens_needed(seq_len, global_batch), 0
     for doc in _documents(source, max_bytes):
         have += len(_encode(doc, tokenizer))
@@ -166,7 +172,8 @@ class PackedBatches:
         self.n_samples = len(stream) // (seq_len + 1)
         if len(stream) < tokens_needed(seq_len, global_batch):
             raise DataError(f"the corpus has {len(stream)} tokens: {self.n_samples} samples of seq_len+1 = "
-                             f"{seq_len + 1}, fewer than one global batch ({global_batch})")
+                            f"{seq_len + 1}, fewer than one global batch ({global_batch}); give more text "
+                            "(train.data) or raise train.max_corpus_bytes")
         self.step = 0
         self._perm_epoch, self._perm = -1, None
 

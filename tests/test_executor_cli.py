@@ -231,6 +231,18 @@ def test_issue14_good_data_passes_the_check(tmp_path):
 
 
 @pytest.mark.distributed
+def test_issue14_builtin_corpus_too_small_for_the_batch_is_one_line(tmp_path):
+    """The built-in corpus is not read before the launch (the planner's dry runs use it for any batch); a run
+    whose batch it cannot fill stops in the worker with one line and exit 2, not a traceback."""
+    p = run(["--nproc-per-node", "1", "--steps", "1", "--set", "train.max_corpus_bytes=1", "--set",
+             "workload.seq_len=1024", "--run-dir", str(tmp_path / "run")], timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "fewer than one global batch (8)" in lines[0], p.stderr
+    assert lines[0].startswith("titan-run: error: the corpus has") and "train.max_corpus_bytes" in lines[0]
+
+
+@pytest.mark.distributed
 def test_issue14_bad_data_under_a_plain_torchrun_is_said_by_rank_0(tmp_path):
     """torchrun started by hand (no titan-run launcher): rank 0's line is there, once, before torchrun's report."""
     plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {"data": _file(tmp_path / "c.csv", "a,b\n")})
