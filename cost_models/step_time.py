@@ -244,10 +244,11 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     pipelining), so one all-gather pass and one reduce-scatter pass per step (plus a backward
     all-gather per micro-batch when reshard_after_forward).  Dense blocks shard over
     dp_shard*cp, experts over dp_shard*cp/ep.
-    megatron: the distributed optimizer (zero >= 1, ZeRO-1) reduce-scatters fp32 gradients and
+    megatron: the distributed optimizer (zero >= 1, ZeRO-1) reduce-scatters the main gradients
+    (fp32 in Megatron-LM; bf16 with grad_dtype bf16, NeMo / Megatron-Bridge recipes) and
     all-gathers bf16 parameters once per step, overlapped with the last micro-batch's backward
     and the first one's forward (Megatron-LM --overlap-grad-reduce / --overlap-param-gather);
-    zero = 0 all-reduces the fp32 gradients (Megatron reduces in fp32 for bf16 training).
+    zero = 0 all-reduces the main gradients.
     Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
@@ -346,11 +347,12 @@ def _megatron_data_parallel(table, hw, workload, coeffs, st, rp) -> tuple[np.nda
     dpn = table.dp_cp.astype(np.float64)
     link = group_link(dpn, table.tp, hw, coeffs)
     local = rp["last_dense"] + rp["last_expert"]
+    g = workload.grad_elem_bytes                  # fp32 main gradients, or bf16 (grad_dtype)
     if workload.zero >= 1:
-        red = ring_gather_time(dpn, 4.0 * local, link.bw, link.alpha)
+        red = ring_gather_time(dpn, g * local, link.bw, link.alpha)
         gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
     else:
-        red, gath = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha, link.tree_latency), 0.0
+        red, gath = all_reduce_time(dpn, g * local, link.bw, link.alpha, link.tree_latency), 0.0
     dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
     opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
     return dp, opt_bytes
