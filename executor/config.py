@@ -38,7 +38,7 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
-from search_spaces.constraints import Target, check_plan
+from search_spaces.constraints import TIED, Target, check_plan
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
@@ -292,15 +292,15 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         plan.check_world(world_size)
     except PlanError as e:
         raise ConfigError(str(e)) from None
+    target = Target.of(spec, world_size=world_size, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                       gpus_per_node=max(world_size, 1))
     if plan.ep > 1 and not spec.is_moe:
         raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
                           "expert parallelism needs a mixture-of-experts model (set ep: 1)")
-    if spec.tie_embeddings and (plan.pp > 1 or plan.tp > 1):   # executor/models/llama.py tie_weights
+    if not TIED.ok(plan, target):   # the rule's case, told with the key to change (executor/models/llama.py)
         key = "pp" if plan.pp > 1 else "tp"
         raise ConfigError(f"plan key '{key}' is {getattr(plan, key)} but model '{spec.name}' ties its embeddings "
                           f"(tie_embeddings): titan-run keeps them tied only with pp 1 and tp 1 (set {key}: 1)")
-    target = Target.of(spec, world_size=world_size, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                       gpus_per_node=max(world_size, 1))
     problems = check_plan(plan, target, tp_within_node=False)
     if problems:
         reason, msg = problems[0]

@@ -24,8 +24,8 @@ import os
 import socket
 import sys
 
-from search_spaces.constraints import EP_MESH
-from search_spaces.plan import Plan, PlanError, min_microbatches
+from search_spaces.constraints import EP_MESH, RUNTIME_RULES
+from search_spaces.plan import SCHEDULES, Plan, PlanError, min_microbatches
 from search_spaces.table import Columns
 
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
@@ -84,9 +84,9 @@ def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:
         raise ConfigError(f"cannot re-plan for world {world}: global batch {gb} is not divisible by dp = {dp} "
                           "(give --fallback-plan)")
     per_rank = gb // dp
-    need = min_microbatches(plan.schedule, plan.pp)
     choices = [mb for mb in range(min(plan.microbatch, per_rank), 0, -1)
-               if per_rank % mb == 0 and per_rank // mb >= need]
+               if per_rank % mb == 0 and _schedule_accepts(plan, per_rank // mb)]
+    need = min_microbatches(plan.schedule, plan.pp)
     if not choices:
         raise ConfigError(f"cannot re-plan for world {world}: {per_rank} sequences per dp rank is fewer than the "
                           f"{need} micro-batches schedule {plan.schedule} needs (give --fallback-plan)")
@@ -99,6 +99,12 @@ def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:
                              global_batch=gb)
     except PlanError as e:
         raise ConfigError(f"cannot re-plan for world {world}: {e} (give --fallback-plan)") from None
+
+
+def _schedule_accepts(plan: Plan, n_microbatches: int) -> bool:
+    """The pipeline runtime's micro-batch rules (constraints.RUNTIME_RULES) for `plan`'s schedule."""
+    cols = Columns({"pp": plan.pp, "schedule": SCHEDULES.index(plan.schedule), "n_microbatches": n_microbatches})
+    return all(bool(rule.ok(cols, None)) for rule in RUNTIME_RULES)
 
 
 def load_elastic_config(args, world: int):

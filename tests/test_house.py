@@ -136,3 +136,12 @@ def test_elastic_replan_keeps_the_largest_halved_ep_the_mesh_rule_accepts(ep, cp
     assert new.ep == expected and EP_MESH.ok(new, None)
     assert new.ep == ep or new.fsdp_size % (2 * new.ep), "a larger halving of ep would have fit"
     assert (new.cp, new.dp_shard, new.global_batch()) == (cp, world // cp, plan.global_batch())
+
+
+def test_elastic_replan_picks_a_micro_batch_the_pipeline_rules_accept():
+    """Interleaved1F1B at pp 2 runs micro-batches in rounds (constraints.MICRO_ROUNDS): 10 sequences per
+    dp rank at micro-batch 2 would be 5 micro-batches, which the rule refuses, so the re-plan takes 1."""
+    plan = Plan(pp=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatch=2, n_microbatches=10)
+    new = replan(plan, 4)
+    assert (new.dp_shard, new.microbatch, new.n_microbatches) == (2, 1, 10)
+    assert replan(Plan(pp=2, microbatch=2, n_microbatches=10), 4).microbatch == 2    # 1F1B: 5 >= pp is enough
