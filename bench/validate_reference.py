@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -389,6 +390,26 @@ def headline_part(name: str, cases, skipped, results, fit) -> str:
     return f"{name}: {len(cases)} rows expressed, {len(skipped)} not; " + ", ".join(parts)
 
 
+def ranking_groups(cases, results) -> dict[str, tuple[float, int]]:
+    """Spearman rho of predicted vs measured tokens/s/GPU among the layouts of one job -- the same
+    model, hardware, GPU count and sequence length (the planner's question: which layout is faster) --
+    for every job with at least 3 scored layouts."""
+    by_id = {c.id: c for c in cases}
+    jobs: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        if r["metric"] != "tokens_per_s_per_gpu" or not r["counted"]:
+            continue
+        c = by_id[r["id"]]
+        key = f"{c.model.name} x{c.plan.world_size} {c.hw.name} seq {c.workload.seq_len}"
+        jobs.setdefault(key, []).append((r["measured"], r["predicted"]))
+    out = {}
+    for key, pairs in jobs.items():
+        if len(pairs) >= 3:
+            m, p = zip(*pairs)
+            out[key] = (float(spearmanr(m, p).statistic), len(pairs))
+    return out
+
+
 def report_set(name: str, rows) -> str:
     cases, skipped = build_cases(rows)
     results = evaluate(cases)
@@ -420,6 +441,11 @@ def report_set(name: str, rows) -> str:
         print(f"\nby framework (median / worst APE, n):")
         for (f, g), apes in sorted(by_fw.items()):
             print(f"  {f:26s} {g:10s} {statistics.median(apes):6.1f}% / {max(apes):6.1f}%  n={len(apes)}")
+    groups = ranking_groups(cases, results)
+    if groups:
+        print("\nranking within a job (same model, hardware, GPUs, sequence length; >= 3 layouts): Spearman rho")
+        for key, (rho, n) in groups.items():
+            print(f"  {key:60s} rho {rho:+.2f}  n={n}")
     s = summarize(results)
     print(f"\nset '{name}':")
     for g in ("throughput", "memory"):
