@@ -141,18 +141,19 @@ def build_meshes(plan: Plan, dev_type: str) -> Meshes:
     spmd_dp = world[dp_axes] if dp_axes else None
     ep = efsdp = expert_fsdp = expert_spmd = None
     if plan.ep > 1:
-        ep, efsdp, expert_fsdp, expert_spmd = _expert_meshes(dp_shard_cp, dp_cp, plan)
+        ep, efsdp, expert_fsdp, expert_spmd = _expert_meshes(world, dp_shard_cp, dp_cp, plan)
     return Meshes(plan=plan, world=world, pp=world["pp"], dp_replicate=world["dp_replicate"],
                   dp_shard=world["dp_shard"], cp=world["cp"], tp=world["tp"], dp=dp,
                   dp_shard_cp=dp_shard_cp, dp_cp=dp_cp, fsdp=fsdp, spmd_dp=spmd_dp,
                   ep=ep, efsdp=efsdp, expert_fsdp=expert_fsdp, expert_spmd=expert_spmd)
 
 
-def _expert_meshes(dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
-                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh]:
+def _expert_meshes(world: DeviceMesh, dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
+                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh | None]:
     """(ep, efsdp, expert_fsdp, expert_spmd): dp_shard_cp unflattened into (efsdp, ep); with HSDP the
     experts' FSDP mesh is (dp_replicate, efsdp), from dp_cp unflattened into (dp_replicate, efsdp, ep).
-    expert_spmd is the whole unflattened mesh (the spmd_types backend types the experts on it)."""
+    expert_spmd is the whole unflattened mesh (the spmd_types backend types the experts on it), with
+    ``tp`` under tensor parallel (None with tp and cp: not built, the plan runs on dtensor)."""
     if not hasattr(dp_shard_cp, "_unflatten"):
         raise ValueError(f"plan key 'ep' > 1 needs DeviceMesh._unflatten, which torch {torch.__version__} "
                          "does not have (use torch >= 2.9)")
@@ -164,6 +165,10 @@ def _expert_meshes(dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
         full = dp_cp._unflatten(0, (plan.dp_replicate, plan.expert_fsdp_size, plan.ep),
                                 ("dp_replicate", "efsdp", "ep"))
         expert_fsdp, expert_spmd = full["dp_replicate", "efsdp"], full
+    if plan.tp > 1:
+        names = ("dp_replicate",) * (plan.dp_replicate > 1) + ("dp_shard", "tp")
+        expert_spmd = None if plan.cp > 1 else world[names]._unflatten(
+            names.index("dp_shard"), (plan.expert_fsdp_size, plan.ep), ("efsdp", "ep"))
     return ep, efsdp, expert_fsdp, expert_spmd
 
 

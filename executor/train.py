@@ -146,7 +146,8 @@ def setup(cfg: RunConfig) -> Trainer:
     set_aux_loss_scale(moe, cfg.spec, cfg.plan)   # the aux loss trains through each MoE layer's backward
     return Trainer(cfg=cfg, device=device, meshes=meshes, precision=precision, stages=stages, params=params,
                    optimizer=optimizer, scheduler=scheduler, batches=batches, runner=runner, backend=backend,
-                   comm=comm, moe=moe, moe_tp_params=moe_params(stages) if cfg.plan.tp > 1 else [])
+                   comm=comm, moe=moe,
+                   moe_tp_params=moe_params(stages) if cfg.plan.tp > 1 and backend == "dtensor" else [])
 
 
 # --------------------------------------------------------------------------- one step

@@ -95,6 +95,8 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
     if plan.cp > 1 and plan.pp > 1:
         return "context parallel with pipeline parallel (cp > 1, pp > 1): the stages' cp batch is not typed yet"
+    if plan.ep > 1 and plan.tp > 1 and plan.cp > 1:
+        return "expert parallel with tensor and context parallel (ep, tp, cp > 1): no typed experts' mesh yet"
     if plan.float8:
         return "float8: float8 linears are not spmd_types-typed yet"
     if plan.tp > 1 and spec is not None and (reason := spmd_tp_unsupported(spec)) is not None:
@@ -142,7 +144,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     expert_mesh = meshes.expert_spmd if plan.ep > 1 and backend == "spmd_types" else None
     if expert_mesh is not None:
         apply_spmd_ep(module, expert_mesh, meshes.world[tuple(n for n in spmd_mesh(meshes, plan).mesh_dim_names
-                                                              if n != "tp")])
+                                                              if n != "tp")], ep_mesh=meshes.ep)
     elif plan.ep > 1:
         apply_ep(module, meshes.ep)
     apply_ac(module, plan.ac)

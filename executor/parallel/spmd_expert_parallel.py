@@ -73,16 +73,18 @@ class AllToAllRows(torch.autograd.Function):
 class SpmdExpertParallelExperts(ExpertParallelExperts):
     """This rank's E/ep experts as plain typed tensors, with typed all-to-alls around them."""
 
-    def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, dense_mesh: DeviceMesh):
+    def __init__(self, experts: GroupedExperts, expert_mesh: DeviceMesh, dense_mesh: DeviceMesh,
+                 ep_mesh: DeviceMesh | None = None):
         names = expert_mesh.mesh_dim_names
-        self.ep_group = expert_mesh.get_group("ep")
-        super().__init__(experts, expert_mesh["ep"])
+        ep_mesh = expert_mesh["ep"] if ep_mesh is None else ep_mesh
+        self.ep_group = ep_mesh.get_group()
+        super().__init__(experts, ep_mesh)
         self.param_types = {_axis(expert_mesh, n): spmd.S(0) if n == "ep" else spmd.R for n in names}
         for p in (self.w1, self.w2, self.w3):
             spmd.assert_type(p, self.param_types)
         # mesh switch: the dense data-parallel axes <-> the experts' axes (other axes, tp, are kept)
         self.dense_axes = frozenset(_axis(dense_mesh, n) for n in dense_mesh.mesh_dim_names)
-        self.expert_axes = frozenset(self.param_types)
+        self.expert_axes = frozenset(_axis(expert_mesh, n) for n in names if n != "tp")
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         """Rows [r*E/ep, (r+1)*E/ep) of a grouped weight [E, ...], a plain tensor (typed once a parameter)."""
@@ -115,13 +117,18 @@ class SpmdExpertParallelExperts(ExpertParallelExperts):
         return self.w1, self.w2, self.w3
 
 
-def apply_spmd_ep(model: nn.Module, expert_mesh: DeviceMesh, dense_mesh: DeviceMesh) -> int:
-    """Swap every MoE block's experts for their typed expert-parallel version; returns how many."""
+def apply_spmd_ep(model: nn.Module, expert_mesh: DeviceMesh, dense_mesh: DeviceMesh, *,
+                  ep_mesh: DeviceMesh | None = None) -> int:
+    """Swap every MoE block's experts for their typed expert-parallel version; returns how many.
+
+    `expert_mesh`: ``(dp_replicate,) efsdp, ep (, tp)`` (``Meshes.expert_spmd``); `dense_mesh`: the
+    dense data-parallel axes the tokens come from; `ep_mesh`: the ep group the all-to-alls run on
+    (``Meshes.ep``, the same ranks as `expert_mesh`'s ep; default: that one)."""
     n = 0
     for block in model.layers.values():
         if getattr(block, "moe_enabled", False):
             block.feed_forward.experts = SpmdExpertParallelExperts(block.feed_forward.experts, expert_mesh,
-                                                                   dense_mesh)
+                                                                   dense_mesh, ep_mesh)
             n += 1
     return n
 

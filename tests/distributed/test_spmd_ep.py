@@ -6,7 +6,10 @@ each layout and each backend: loss and grad norm per step within 1e-4 relative o
 and the two backends within 1e-5 of each other.  ``dp2xep2``: ep borrows both dp_shard ranks
 (efsdp 1); ``dp4xep2``: experts FSDP-sharded over efsdp 2, so the dense mesh (dp_shard 4) and
 the experts' mesh (efsdp 2 x ep 2) differ and the tokens cross between them at the all-to-alls;
-``hsdp2xep2``: the experts' mesh is (dp_replicate 2, efsdp 1, ep 2).
+``hsdp2xep2``: the experts' mesh is (dp_replicate 2, efsdp 1, ep 2); ``dp2xtp2xep2``: the dense
+blocks typed by the spmd TP tables, the MoE blocks on the sequence-parallel local tokens (their
+parameters R on tp: pending-sum gradients, reduced with the norms'), experts typed on
+(efsdp, ep, tp).
 
 The checker (``train.spmd_typecheck=true``) runs the dp4xep2 steps (same losses as without it),
 and a four-process step whose dispatch skips the all-to-all shows the checker naming the tokens
@@ -32,8 +35,9 @@ from tests.distributed.test_moe_parity import GLOBAL_BATCH, SEQ_LEN, moe_spec_fi
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"dp2xep2": Plan(dp_shard=2, ep=2, microbatch=2),
            "dp4xep2": Plan(dp_shard=4, ep=2, microbatch=1),
-           "hsdp2xep2": Plan(dp_replicate=2, dp_shard=2, ep=2, microbatch=1)}
-SLOW = {"dp4xep2", "hsdp2xep2"}          # four processes
+           "hsdp2xep2": Plan(dp_replicate=2, dp_shard=2, ep=2, microbatch=1),
+           "dp2xtp2xep2": Plan(dp_shard=2, tp=2, ep=2, microbatch=2)}
+SLOW = {"dp4xep2", "hsdp2xep2", "dp2xtp2xep2"}          # four processes
 _RUNS: dict = {}
 
 
@@ -92,6 +96,14 @@ def test_ep_plans_get_spmd_types_silently(capsys):
         assert spmd_plan_unsupported(plan, load_model("moe-debug")) is None
         assert resolve_backend(plan, _Meshes(), announce=True, spec=load_model("moe-debug")) == "spmd_types"
     assert capsys.readouterr().err == ""
+
+
+def test_ep_with_tp_and_cp_gets_dtensor_with_one_line(capsys):
+    plan = Plan(dp_shard=1, cp=2, tp=2, ep=2)
+    assert resolve_backend(plan, _Meshes(), announce=True) == "dtensor"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: "), err
+    assert "expert parallel with tensor and context parallel" in err[0], err
 
 
 # --------------------------------------------------------------------------- the checker names a missing dispatch
