@@ -87,6 +87,7 @@ class TypedRingAttention(RingAttention):
 
     function = TypedRingAttentionFn
 
+    @torch.compiler.disable     # as the ring itself (ring_attention.py): the checker's state is read outside graphs
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not spmd.is_type_checking():
             return super().forward(q, k, v)
@@ -101,14 +102,14 @@ def apply_spmd_cp(model: nn.Module, cp_mesh: DeviceMesh, kernel: str | None = No
     apply_cp(model, cp_mesh, kernel, attention)
 
 
-def spmd_cp_shard_batch(tokens: torch.Tensor, labels: torch.Tensor, cp_mesh: DeviceMesh, other_axes
+def spmd_cp_shard_batch(tokens: torch.Tensor, labels: torch.Tensor, cp_mesh: DeviceMesh, spmd_mesh: DeviceMesh
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This cp rank's head-tail share (``cp_shard_batch``) of tokens and labels, and its positions typed:
-    V on cp, R on `other_axes` (the SPMD mesh's other axes: every dp / tp rank has the same positions).
+    V on cp, R on the other axes of `spmd_mesh` (every dp / tp rank has the same positions).
     Tokens and labels are typed by the caller with the rest of the batch."""
     tok, lab, pos = cp_shard_batch(tokens, labels, cp_mesh)
-    cp_axis = spmd.MeshAxis.of(cp_mesh.get_group())
-    spmd.assert_type(pos, {cp_axis: spmd.V, **{a: spmd.R for a in other_axes if a != cp_axis}})
+    spmd.assert_type(pos, {spmd.MeshAxis.of(spmd_mesh.get_group(n)): spmd.V if n == "cp" else spmd.R
+                           for n in spmd_mesh.mesh_dim_names})
     return tok, lab, pos
 
 

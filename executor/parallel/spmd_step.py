@@ -77,7 +77,7 @@ def forward_backward(model: nn.Module, tokens: torch.Tensor, labels: torch.Tenso
         with spmd_typecheck() if typecheck else contextlib.nullcontext():
             positions = None
             if plan.cp > 1:       # this rank's head-tail share of each sequence, V on cp (spmd_context_parallel.py)
-                tok, lab, positions = spmd_cp_shard_batch(tok, lab, meshes.cp, _types(mesh, dp=spmd.R, tp=spmd.R))
+                tok, lab, positions = spmd_cp_shard_batch(tok, lab, meshes.cp, mesh)
             for t in (tok, lab):
                 spmd.assert_type(t, _types(mesh, dp=spmd.V, tp=spmd.R))
             logits = model(tok, positions)
