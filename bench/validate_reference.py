@@ -66,8 +66,8 @@ framework):
     `loss_fn` default `fused_crossentropy` (flash_attn.losses.cross_entropy;
     llmfoundry/models/mpt/modeling_mpt.py); its gradients follow FSDP's fp32 master parameters.
   - everything else: fp32 main gradients (Megatron-LM forces accumulate_allreduce_grads_in_fp32 for
-    bf16) and the eager loss on fp32-upcast logits (Megatron-LM's default: no
-    --cross-entropy-loss-fusion; TorchTitan's cross_entropy on .float() logits).
+    bf16) and loss_impl auto: Megatron's vocab-parallel loss in place on fp32 logits (fused), the
+    FSDP stacks' cross_entropy on .float() logits (eager).
 * gradient accumulation (Workload.grad_accum): megatron-deepspeed-2022 -> hp_copy (its BF16
   optimizer: the DeepSpeed pipeline engine calls `optimizer.update_hp_grads()` after every
   micro-batch's backward, deepspeed/runtime/pipe/engine.py `_exec_backward_pass`); the other
@@ -256,7 +256,7 @@ def build_case(row) -> Case:
                         sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
                         selective_ac="attention" if megatron else "op",
                         grad_dtype="bf16" if source in NVIDIA_RECIPES and state == "megatron" else "fp32",
-                        loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "eager",
+                        loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "auto",
                         grad_accum="hp_copy" if source == "megatron-deepspeed-2022" else "auto")
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
     if source == "megatron-deepspeed-2022":

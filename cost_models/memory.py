@@ -31,11 +31,11 @@ def logit_bytes(table, workload) -> tuple[np.ndarray, np.ndarray]:
     the turn).  Eager (``loss_impl: eager``): the fp32 log-softmax output is kept (plus, with pp > 1,
     the stage's e-byte output the pipeline keeps for the stage backward), and its gradient and the
     input gradient join it at the turn (LOGIT_BYTES in all).  Fused (``loss_impl: fused``; e.g.
-    flash-attn's cross_entropy, Megatron's fused vocab-parallel loss): the kernel keeps only its
+    flash-attn's cross_entropy, Megatron's in-place vocab-parallel loss): the kernel keeps only its
     e-byte input (the same tensor as the stage output) and a per-token log-sum-exp, and writes one
     e-byte gradient at the turn."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
-    if workload.loss_impl == "fused":
+    if workload.loss_mode == "fused":
         return np.full(len(table), e), np.full(len(table), e)
     return 4.0 + np.where(table.pp > 1, e, 0.0), np.full(len(table), LOGIT_BYTES - 4.0)
 

@@ -44,7 +44,11 @@ class Workload:
     ``loss_impl`` is the cross-entropy: ``eager`` (this executor: on fp32-upcast logits, keeping
     the fp32 log-softmax, its gradient and the input gradient at the turn) or ``fused`` (a fused
     or chunked kernel -- Megatron's cross_entropy_loss_fusion, flash-attn's / Liger's, a compiled
-    loss -- keeping the logits and a per-token log-sum-exp, the gradient written in place).
+    loss -- keeping the logits and a per-token log-sum-exp, the gradient written in place); ``auto``
+    is ``eager`` for fsdp2 and ``fused`` for megatron, whose vocab-parallel cross-entropy (also the
+    unfused one) works in place on one fp32 copy of the logits: exp, softmax and the input gradient
+    reuse its storage (megatron/core/tensor_parallel/cross_entropy.py), 4 bytes per logit as a fused
+    bf16 kernel's 2 + 2.
     ``grad_accum`` is how a micro-batch's weight gradients join the step's: ``autograd`` (PyTorch's
     AccumulateGrad, ``grad += g`` after the first micro-batch: this executor, TorchTitan, FSDP),
     ``fused`` (the weight-gradient GEMM accumulates into the main-gradient buffer: Megatron's
@@ -63,7 +67,7 @@ class Workload:
     sequence_parallel: bool = True                            # with tp > 1
     selective_ac: Literal["matmul", "op", "attention"] = "matmul"
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
-    loss_impl: Literal["eager", "fused"] = "eager"            # cross-entropy kernel
+    loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
 
     def __post_init__(self) -> None:
@@ -84,6 +88,13 @@ class Workload:
         if self.grad_accum != "auto":
             return self.grad_accum
         return "fused" if self.state_layout == "megatron" else "autograd"
+
+    @property
+    def loss_mode(self) -> str:
+        """``loss_impl`` with ``auto`` resolved by the state layout."""
+        if self.loss_impl != "auto":
+            return self.loss_impl
+        return "fused" if self.state_layout == "megatron" else "eager"
 
     @property
     def global_batch_tokens(self) -> int:

@@ -319,7 +319,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if wl.grad_accum_mode != "autograd":
         raise ConfigError(f"workload key 'grad_accum' is {show(wl.grad_accum)}, but titan-run accumulates "
                           "gradients with autograd (auto or autograd; that key describes other frameworks)")
-    if wl.loss_impl != "eager":
+    if wl.loss_mode != "eager":
         raise ConfigError(f"workload key 'loss_impl' is {show(wl.loss_impl)}, but titan-run computes the loss on "
                           "fp32-upcast logits (eager; that key describes other frameworks to the planner)")
     if cfg.train.warmup > cfg.train.steps:

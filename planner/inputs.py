@@ -44,8 +44,9 @@ WORKLOAD_HELP = {
                     "policy) or attention (Megatron: recompute the attention core only)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
-    "loss_impl": "cross-entropy: eager (fp32-upcast logits, this executor, default) or fused (a fused / "
-                 "chunked kernel that keeps only the logits and writes their gradient in place)",
+    "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "
+                 "place), eager (on fp32-upcast logits, this executor) or fused (keeps only the logits and "
+                 "writes their gradient in place)",
     "grad_accum": "how micro-batch gradients accumulate: auto (default: autograd for fsdp2, fused for megatron), "
                   "autograd (grad += g), fused (in the weight-gradient GEMM, Megatron) or hp_copy (DeepSpeed's "
                   "BF16 optimizer copies into fp32 after every micro-batch)",
