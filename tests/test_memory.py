@@ -6,7 +6,8 @@ import pytest
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
-from cost_models.memory import in_flight_microbatches, per_layer_activation_bytes
+from cost_models.activations import per_layer_activation_bytes
+from cost_models.memory import in_flight_microbatches
 from cost_models.specs import load_hardware, load_model, model_from_dict
 from cost_models.workload import Workload
 from search_spaces import Plan
@@ -120,7 +121,7 @@ def test_multi_stage_schedules_keep_send_buffers_until_the_step_ends():
 
 
 def test_zero_bubble_v_keeps_output_gradients_for_deferred_weight_grads():
-    from cost_models.memory import pipeline_extra_bytes
+    from cost_models.activations import pipeline_extra_bytes
     m = load_model("llama3-debug")
     wl = Workload(seq_len=256, global_batch=16, dtype="fp32")
     t = table(Plan(pp=2, microbatch=2, n_microbatches=8, schedule="ZBVZeroBubble", stages_per_rank=2),

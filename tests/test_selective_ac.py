@@ -7,7 +7,7 @@ One transformer block is run forward under the executor's own wrapping (``apply_
 its output -- are exactly what autograd and the checkpoint keep until backward: with
 ``selective`` the outputs the policy saves (``torch.utils.checkpoint``'s selective-checkpoint
 cache), with ``none`` autograd's saved tensors, with ``full`` nothing but the input.  Their bytes
-are compared with ``cost_models.memory.layer_activation_terms`` for the same dims, whose block-input
+are compared with ``cost_models.activations.layer_activation_terms`` for the same dims, whose block-input
 term counts the input the checkpoint keeps for its recomputation (so the input is added to the
 measurement).
 
@@ -35,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from cost_models.memory import FULL, FULL_TP, SCORE, SEQ, SEQ_TP, SHARD, layer_activation_terms
+from cost_models.activations import FULL, FULL_TP, SCORE, SEQ, SEQ_TP, SHARD, layer_activation_terms
 from cost_models.specs import load_model
 from cost_models.workload import Workload
 from executor.models.layers import rope_cos_sin

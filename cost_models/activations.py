@@ -1,0 +1,250 @@
+"""What one transformer block (and the loss stage's head) keeps for backward, per token and per rank.
+
+`layer_activation_terms` splits a block's saved bytes per token into terms by how tensor
+parallelism divides them (below); `per_layer_activation_bytes` turns them into bytes per
+micro-batch for every candidate; `pipeline_extra_bytes` and `head_activation_bytes` add what
+pipelining and the LM head keep.  `cost_models.memory` multiplies these by the in-flight
+micro-batches of each rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from search_spaces.plan import AC_MODES
+
+from .flops import COL, ROW, attention_dims, layer_matmuls
+from .layout import layers_per_rank
+
+# Terms of the bytes a block keeps per token, by how tensor parallelism divides them:
+SEQ, SHARD, SCORE, FULL, FULL_TP, SEQ_TP = range(6)
+N_TERMS = 6
+#   SEQ     residual-stream tensors: divided by tp only with sequence parallelism
+#   SHARD   head/FFN-sharded tensors: divided by tp
+#   SCORE   per token *and key position* (materialized s x s scores), divided by tp
+#   FULL    never divided by tp: with DTensor-style TP (fsdp2 layout, as in TorchTitan) a
+#           column-parallel matmul keeps its all-gathered input and a row-parallel one
+#           produces its partial sum at full size; Megatron keeps them sequence-sharded
+#           (Korthikanti Sec. 4.2.2), so in the megatron layout they are SEQ
+#   FULL_TP as FULL but present only when tp > 1 (outputs of all-gathers kept by the
+#           'matmul' selective policy; with tp = 1 the same tensor is recomputed)
+#   SEQ_TP  as SEQ but present only when tp > 1 (the sequence-sharded outputs of the row-parallel
+#           reduce-scatters, which the 'op' and 'matmul' policies keep under DTensor-style TP;
+#           with tp = 1 there is no collective and the sum is recomputed)
+
+
+def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
+                           f8_fraction: float = 1.0) -> np.ndarray:
+    """Bytes one block keeps for backward, per token, split into the five terms above.
+
+    Source: Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and Table 2, per layer
+    sbh(34 + 5as/h) for GPT with dropout and materialized attention:
+      attention 11sbh + 5as^2b: QKV input 2, Q and K 4, V 2, out-proj input 2, dropout mask 1,
+      softmax output 2as, dropout mask as, dropout output 2as;  MLP 19sbh: fc1 input 2,
+      GeLU input 8, GeLU output 8, dropout mask 1;  LayerNorms 4sbh.
+    Adapted here: GQA/MLA widths from `attention_dims`; SwiGLU keeps gate and up outputs
+    (eager autograd also keeps silu(gate) and the product: 4 tensors of width ffn_hidden,
+    a fused/compiled SwiGLU 2); fused (flash/SDPA) attention keeps no s x s scores but its
+    output O and the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan
+    RMSNorm upcasts to fp32 and keeps the fp32 input plus the bf16 normalized output
+    (3x the bf16 width), a fused norm keeps its input; MoE blocks keep the top_k
+    dispatched copies of the token, each expert's hidden and output.
+    Selective: 'attention' (Megatron, Korthikanti Sec. 4.3) drops the attention core's
+    tensors (scores, or O and the LSE); 'op' (TorchTitan) keeps the block input, the
+    1st/3rd/5th/... matmul outputs in forward order and the attention outputs; 'matmul'
+    (this executor) keeps the block input, every matmul, attention and collective output.
+    Full keeps the block input (Korthikanti Table 2: 2sbh).
+    """
+    if ac == "full":
+        t = np.zeros(N_TERMS)
+        t[SEQ] = (4.0 if workload.dtype == "fp32" else 2.0) * model.dim
+        return t
+    if ac == "selective" and workload.selective_ac in ("op", "matmul"):
+        return _selective_kept_terms(model, workload, moe, f8_fraction)
+    # no recomputation (or the attention-core policy, which only removes the core's tensors)
+    return _stored_terms(model, workload, moe, ac == "selective", compiled, f8_fraction)
+
+
+def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
+    """`layer_activation_terms` under the 'op' and 'matmul' selective policies: the block input
+    and the saved matmul (attention, collective) outputs."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    fused = workload.attention_impl == "fused"
+    dtensor = workload.state_layout == "fsdp2"
+    row_out = FULL if dtensor else SEQ                # a row-parallel matmul's output
+    t = np.zeros(N_TERMS)
+    every = workload.selective_ac == "matmul"
+    t[SEQ] = e * h                                    # block input
+    for i, m in enumerate(layer_matmuls(model, moe)):
+        if i % 2 and not every:                       # 'op': 2nd, 4th, ... matmuls are recomputed
+            continue
+        mult = model.top_k if m.expert else 1.0
+        t[SHARD if m.shard == COL else (row_out if m.shard == ROW else FULL)] += mult * e * m.n
+    if fused:
+        t[SHARD] += e * d_o + 4.0 * model.n_heads
+    if every:                                         # all-gathered QKV and FFN inputs (tp > 1)
+        t[FULL_TP] += 2 * e * h
+    if dtensor:   # the wo and w2 reduce-scatter outputs (tp > 1; TorchTitan's op list saves them too)
+        t[SEQ_TP] += 2 * e * h
+    return t
+
+
+def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool,
+                  f8_fraction: float) -> np.ndarray:
+    """`layer_activation_terms` without recomputation: norms, dropout masks, the attention's
+    Q/K/V and core (unless `core_dropped`, the 'attention' policy) and the FFN's tensors."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    d_qk, d_k, d_v = attention_dims(model)
+    d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
+    fused = workload.attention_impl == "fused"
+    dtensor = workload.state_layout == "fsdp2"
+    lin = e * f8_fraction                            # a saved linear input
+    drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
+    t = np.zeros(N_TERMS)
+    col_in = FULL if dtensor else SEQ                 # where a column-parallel input lives
+    if compiled:
+        norm_in = e * h                               # fused norm: its input (+ a per-token rstd)
+    elif workload.dtype == "bf16":
+        norm_in = 3 * e * h                           # eager: fp32 upcast (2e) + bf16 normalized (e)
+    else:
+        norm_in = 2 * e * h                           # eager fp32: input and normalized output
+    t[SEQ] = 2 * norm_in + 2 * drop * h               # two norms, two dropout masks
+    t[col_in] += 2 * lin * h                          # QKV and FFN inputs
+    # GQA K/V expansion: the executor (CoreAttention, repeat_interleave) and TorchTitan (repeat_kv)
+    # expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
+    # K (after RoPE) and V are not saved (repeat's backward needs no input), so they are freed.
+    # Megatron's fused kernels take GQA K/V as they are.  (Measured with saved_tensors_hooks on
+    # llama3-debug: Q, K and V saved at n_heads * head_dim each.)
+    if dtensor and model.attention != "mla":
+        d_k = d_v = d_o
+    t[SHARD] = e * (d_qk + d_k + d_v) + lin * d_o     # Q, K, V (RoPE applied) and out-proj input
+    if fused and not core_dropped:
+        # fp32 LSE kept by the SDPA kernel, and its output O.  The flash kernels (CUDA and
+        # CPU) write O [b, s, heads, d]-contiguous and return it viewed as [b, heads, s, d], so
+        # `out.transpose(1, 2).reshape(b, s, -1)` is a view: O *is* the out-proj input (one
+        # storage, counted above) unless float8 saves a separate low-precision copy of it.
+        t[SHARD] += 4.0 * model.n_heads + (e * d_o if f8_fraction < 1.0 else 0.0)
+    elif not fused and not core_dropped:
+        t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
+    if not moe:
+        t[SHARD] += _saved_ffn_bytes(model, model.ffn_hidden, e, lin, compiled)
+    else:
+        k = model.top_k
+        t[SHARD] += k * (lin * h + _saved_ffn_bytes(model, model.moe_ffn_hidden, e, lin, compiled) + e * h)
+        if model.n_shared_experts:
+            t[SHARD] += _saved_ffn_bytes(model, model.n_shared_experts * model.moe_ffn_hidden, e, lin, compiled)
+    return t
+
+
+def _saved_ffn_bytes(model, width: float, e: float, lin: float, compiled: bool) -> float:
+    """Bytes per token an FFN of hidden `width` keeps (`lin`: bytes of a saved linear input)."""
+    if model.mlp == "swiglu":                         # gate, up (+ silu(gate) and product when eager)
+        return 2 * e * width + (0.0 if compiled else (e + lin) * width)
+    return e * width + lin * width                    # GeLU input and output (= fc2 input)
+
+
+def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
+    """[ac code, compiled, float8] -> the five terms, bytes per token."""
+    out = np.zeros((len(AC_MODES), 2, 2, N_TERMS))
+    for a, ac in enumerate(AC_MODES):
+        for c in (0, 1):
+            for f in (0, 1):
+                out[a, c, f] = layer_activation_terms(model, workload, moe, ac, bool(c), f8_fraction if f else 1.0)
+    return out
+
+
+def _bytes(terms: np.ndarray, table, workload) -> np.ndarray:
+    tp = table.tp.astype(np.float64)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    return tokens * (terms[:, SEQ] / sp + terms[:, SHARD] / tp + terms[:, SCORE] * workload.seq_len / tp
+                     + terms[:, FULL] + (terms[:, FULL_TP] + terms[:, SEQ_TP] / sp) * (tp > 1))
+
+
+def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes one block keeps per micro-batch, transient working set of one block's backward).
+
+    The working set is what the block's backward re-materializes on top of what it kept
+    (recomputed tensors: the no-AC footprint minus the kept one) plus the gradients of the
+    block's input and output in flight (2 residual-stream tensors).
+    """
+    terms = _ac_table(model, workload, moe, coeffs.float8_saved_input_fraction)
+    c, f = table.compile.astype(int), table.float8.astype(int)
+    kept = _bytes(terms[table.ac, c, f], table, workload)
+    none = _bytes(terms[AC_MODES.index("none"), c, f], table, workload)
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    sp = table.tp if workload.sequence_parallel else 1
+    grads = 2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp / sp
+    # the FFN's backward holds the gradients of two hidden-width tensors at once (e.g. of the
+    # SwiGLU product's factors) while freeing its own saved tensors; measured on llama3-debug
+    # (fsdp, mb 8): the peak sits in the last block's FFN backward, ~15 MiB over all blocks' saved
+    # tensors, vs 2 residual + 2 hidden gradients = 16 MiB.
+    width = model.moe_ffn_hidden * model.top_k if moe else model.ffn_hidden
+    ffn_grads = 2.0 * e * width * table.microbatch * workload.seq_len / table.cp / table.tp
+    # DTensor TP with sequence parallelism: the SP -> TP all-gather's flat output lives next to the
+    # cat that reorders it along the sequence dim, and in backward a row-parallel partial sum is
+    # held at full size for its reduce-scatter (measured on tp 2: 4 + 2 MiB of such buffers of a
+    # 2 MiB [tokens, dim] tensor at the peak): two full-size residual tensors on top.
+    tp_bufs = np.where((table.tp > 1) & (workload.state_layout == "fsdp2") & workload.sequence_parallel,
+                       2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp, 0.0)
+    return kept, np.maximum(none - kept, 0.0) + grads + ffn_grads + tp_bufs
+
+
+def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str, np.ndarray]:
+    """Per-rank bytes of pipeline mechanics that do not scale like one block's activations.
+
+    Measured with the profiler's live allocations at the peak on llama3-debug (pp 2, CPU, torch 2.14):
+
+    * ``boundary``: each in-flight micro-batch keeps its stage output (the last block's residual
+      output, one [tokens, dim] tensor per stage chunk) in the stage's forward cache until its
+      backward, on top of what the blocks save.  For pp == 1 this tensor is the final norm's input,
+      counted by `head_activation_bytes`.
+    * ``sends``: the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble, DualPipeV run by torch's
+      PipelineScheduleMulti / _PipelineScheduleRuntime) keep every P2P send's work -- and with it
+      the sent activation or input gradient -- until the end of the step; a rank sends a forward
+      output from each non-last chunk and an input gradient from each non-first chunk: about
+      (2v - 1) * n_microbatches residual-width tensors live at the end of the step.
+    * ``deferred_w``: ZBVZeroBubble splits backward into I (input grad) and W (weight grad) and runs
+      W late; until then each pending (chunk, micro-batch) keeps the gradients of every matmul's
+      output (the dW = g^T x operands).  Their forward tensors are among the pp in-flight
+      micro-batches; at the peak of the rank holding the loss stage (pp 2, v 2: 2 micro-batches of
+      forward tensors and the output gradients of 1 chunk = 0.5 of the rank's layers) about
+      (pp - 1) / v micro-batches' worth of output gradients are pending.
+    """
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    tp = table.tp.astype(np.float64)
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    pp, v = table.pp.astype(np.float64), table.stages_per_rank.astype(np.float64)
+    resid = e * model.dim * tokens / sp
+    multi = (table.is_schedule("Interleaved1F1B") | table.is_schedule("ZBVZeroBubble")
+             | table.is_schedule("DualPipeV")) & (table.pp > 1)
+    piped = table.pp > 1
+    # torch.distributed.pipelining only (the fsdp2 layout); Megatron frees a sent output's data
+    # (deallocate_output_tensor) and waits its sends per micro-batch
+    torch_pp = workload.state_layout == "fsdp2"
+    boundary = np.where(piped & ~multi & torch_pp, v * resid, 0.0)
+    sends = np.where(multi & torch_pp, (2 * v - 1) * table.n_microbatches * resid, 0.0)
+    out_width = 0.0 * tp
+    for m in layer_matmuls(model, moe):
+        mult = model.top_k if m.expert else 1.0
+        out_width = out_width + mult * m.n / (tp if m.shard == COL else (1.0 if m.shard == ROW else 1.0))
+    zbv = table.is_schedule("ZBVZeroBubble") & piped
+    deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model) * e * out_width * tokens, 0.0)
+    return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w}
+
+
+def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
+    """Bytes the loss stage keeps per in-flight micro-batch for the final norm and the LM head's
+    input: the norm's input and normalized output (2 x the width when eager fp32, see
+    `layer_activation_terms`) and the head's (under DTensor TP all-gathered) input."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    tp = table.tp.astype(np.float64)
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    norm_in = np.where(compiled, e * h, (3 if workload.dtype == "bf16" else 2) * e * h)
+    head_in = e * h / (1.0 if workload.state_layout == "fsdp2" else sp)
+    return tokens * (norm_in / sp + head_in)

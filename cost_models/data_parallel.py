@@ -1,0 +1,152 @@
+"""Data parallelism's share of a step: exposed gradient / parameter collectives, the optimizer's
+memory traffic and the per-micro-batch gradient accumulation pass, for every candidate.
+
+`data_parallel` covers the fsdp2 layout (FSDP2 / HSDP: per-block all-gathers and
+reduce-scatters hidden under the block's compute) and the megatron layout (the distributed
+optimizer's once-per-step reduce-scatter and all-gather); `grad_accum_bytes` the traffic of
+adding each micro-batch's weight gradients (``workload.grad_accum``).  `cost_models.step_time`
+adds them to the step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .comm import all_reduce_time, group_link, ring_gather_time
+from .compute import Rates
+from .layout import layer_mix, layers_per_rank, rank_params
+
+
+def layout_facts(table, model) -> dict:
+    """The layout facts `data_parallel` needs (rank parameters, blocks and block mix of the busiest rank)."""
+    return {"rp": rank_params(table, model), "nblocks": layers_per_rank(table, model),
+            "mix": layer_mix(table, model, first=False)}
+
+
+def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
+                  facts: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed data-parallel communication per step, optimizer-step memory traffic in bytes).
+
+    fsdp2 (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, Sec. 3.3-3.4; ZeRO-3 volume,
+    Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 7): per block an all-gather of its bf16
+    parameters before forward (again before backward when reshard_after_forward) and a
+    reduce-scatter of its fp32 gradients after backward; HSDP adds an all-reduce of the
+    sharded gradients over dp_replicate.  The next block's all-gather is prefetched under the
+    current block's compute: exposed = max(0, comm - dp_overlap * compute) per block, plus the
+    first all-gather and the last reduce-scatter.  Without pipelining this repeats every
+    micro-batch (gradients are synchronised each one); with pipelining the schedule defers the
+    reduce-scatter to the last micro-batch and keeps parameters gathered (torch.distributed.
+    pipelining), so one all-gather pass and one reduce-scatter pass per step (plus a backward
+    all-gather per micro-batch when reshard_after_forward).  Dense blocks shard over
+    dp_shard*cp, experts over dp_shard*cp/ep.
+    megatron: the distributed optimizer (zero >= 1, ZeRO-1) reduce-scatters the main gradients
+    (fp32 in Megatron-LM; bf16 with grad_dtype bf16, NeMo / Megatron-Bridge recipes) and
+    all-gathers bf16 parameters once per step, overlapped with the last micro-batch's backward
+    and the first one's forward (Megatron-LM --overlap-grad-reduce / --overlap-param-gather);
+    zero = 0 all-reduces the main gradients.
+    Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
+    (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
+    """
+    facts = facts or layout_facts(table, model)   # (`facts`: computed once per distinct layout, broadcast)
+    if workload.state_layout == "fsdp2":
+        return _fsdp2_data_parallel(table, coeffs, links, r, st, facts)
+    return _megatron_data_parallel(table, hw, workload, coeffs, st, facts["rp"])
+
+
+def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel` for the fsdp2 layout (FSDP2 / HSDP, per-block collectives)."""
+    rp = facts["rp"]
+    nmb = table.n_microbatches.astype(np.float64)
+    nblocks = np.asarray(facts["nblocks"]).astype(np.float64)
+    ov = coeffs.dp_overlap
+    fs, efs, rep = links["fsdp"], links["efsdp"], links["dp_replicate"]
+    fsdp_n = table.fsdp_size.astype(np.float64)
+    efsdp_n = fsdp_n / table.ep
+    nd, nm = facts["mix"]
+    nb = np.maximum(nd + nm, 1)
+    dense_blk = (nd * rp["dense_block"] + nm * rp["moe_dense_block"]) / nb     # average block
+    exp_blk = nm * rp["moe_expert_block"] / nb
+
+    def block_collective(nbytes):   # all-gather or reduce-scatter of one block, dense and expert groups
+        # (the expert group's collective exists only where there are expert weights: a dense
+        # model must not pay its (p-1) latency steps)
+        return (ring_gather_time(fsdp_n, dense_blk * nbytes, fs.bw, fs.alpha)
+                + np.where(exp_blk > 0, ring_gather_time(efsdp_n, exp_blk * nbytes, efs.bw, efs.alpha), 0.0))
+    ag, rs = block_collective(r.elt), block_collective(4.0)   # bf16 parameters, fp32 gradients
+    ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha,
+                         rep.tree_latency)
+    # the root unit (executor/parallel/fsdp.py: fully_shard(model) after the blocks): what this rank
+    # holds outside its blocks -- embedding and/or LM head and final norm
+    root = rp["last_dense"] - nd * rp["dense_block"] - nm * rp["moe_dense_block"]
+    ag_h = ring_gather_time(fsdp_n, root * r.elt, fs.bw, fs.alpha)
+    rs_h = ring_gather_time(fsdp_n, root * 4.0, fs.bw, fs.alpha)
+    # the V schedules run with resharding off: the executor keeps their parameters gathered
+    # (torch's ZBV/DualPipeV + FSDP reshard gives wrong grads; executor/parallel/pipeline.py)
+    v_sched = (table.pp > 1) & (table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"))
+    rsf = (table.reshard_after_forward & ~v_sched).astype(np.float64)
+    # Per block, in its compute window (Zhao et al. 2023, Sec. 3.4, Fig. 6: forward all-gather of
+    # the next block, backward all-gather of the previous block and reduce-scatter of this one's
+    # gradients).  Collectives of one window share the same links (FSDP2 issues them on separate
+    # streams, NCCL runs them concurrently over the same NICs), so what a window cannot hide is
+    # the SUM of its collectives less the window's compute -- not each one against it alone.
+    # Deeper prefetching does not change the steady state: the link stays serial, so a block whose
+    # collectives outlast its compute exposes the difference however early they are issued.
+    # The root is gathered first, before any compute it could hide under (its forward pre-hook runs
+    # before the embedding; PyTorch FSDP notes, "FSDP Prefetch Nuances": "the 1st all-gather will
+    # not be able to overlap with anything"), and reduce-scattered last, after the whole backward:
+    # both exposed, as are the first block's all-gather and the last reduce-scatter of the blocks.
+    fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
+    rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
+    ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
+    dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass),
+                  fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass)
+    dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
+    opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
+    return dp, opt_bytes
+
+
+def grad_accum_bytes(table, model, workload, rp) -> np.ndarray:
+    """Memory traffic per step (bytes) of adding each micro-batch's weight gradients to the step's
+    (``workload.grad_accum``), on the worst rank's parameters:
+
+    * autograd: ``grad += g`` on every micro-batch after the first reads both and writes one, in
+      the gradients' dtype -- on the unsharded gradients when pipelining defers the gradient sync
+      (fsdp2, pp > 1), else on this rank's shard after each micro-batch's reduce-scatter (fsdp2)
+      or on the whole local gradients (megatron);
+    * fused: the weight-gradient GEMM accumulates into the main gradients (beta = 1): nothing;
+    * hp_copy: DeepSpeed's BF16 optimizer after every micro-batch (``update_hp_grads``,
+      deepspeed/runtime/bf16_optimizer.py, called by the pipeline engine's backward pass): the
+      bf16 gradient is read, cast into an fp32 temporary (written, read) and added to the fp32
+      copy (read, written): 2 + 4 + 4 + 4 + 4 = 18 B per parameter.
+    """
+    nmb = table.n_microbatches.astype(np.float64)
+    dense_p, expert_p = rp["last_dense"], rp["last_expert"]
+    local = dense_p + expert_p
+    mode = workload.grad_accum_mode
+    if mode == "fused":
+        return np.zeros(len(table))
+    if mode == "hp_copy":
+        return 18.0 * local * nmb
+    g = workload.grad_elem_bytes
+    if workload.state_layout == "fsdp2":
+        shard = dense_p / table.fsdp_size + expert_p / table.expert_fsdp_size
+        held = np.where(table.pp > 1, local, shard)
+    else:
+        held = local
+    return 3.0 * g * held * np.maximum(nmb - 1.0, 0.0)
+
+
+def _megatron_data_parallel(table, hw, workload, coeffs, st, rp) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel` for the Megatron layout (distributed optimizer, or an all-reduce at zero 0)."""
+    ov = coeffs.dp_overlap
+    dpn = table.dp_cp.astype(np.float64)
+    link = group_link(dpn, table.tp, hw, coeffs)
+    local = rp["last_dense"] + rp["last_expert"]
+    g = workload.grad_elem_bytes                  # fp32 main gradients, or bf16 (grad_dtype)
+    if workload.zero >= 1:
+        red = ring_gather_time(dpn, g * local, link.bw, link.alpha)
+        gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
+    else:
+        red, gath = all_reduce_time(dpn, g * local, link.bw, link.alpha, link.tree_latency), 0.0
+    dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
+    opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
+    return dp, opt_bytes
