@@ -9,7 +9,7 @@ the experts' mesh (efsdp 2 x ep 2) differ and the tokens cross between them at t
 ``hsdp2xep2``: the experts' mesh is (dp_replicate 2, efsdp 1, ep 2); ``dp2xtp2xep2``: the dense
 blocks typed by the spmd TP tables, the MoE blocks on the sequence-parallel local tokens (their
 parameters R on tp: pending-sum gradients, reduced with the norms'), experts typed on
-(efsdp, ep, tp).
+(efsdp, ep, tp); ``pp2xdp2xep2``: each pipeline stage's MoE blocks typed the same way.
 
 The checker (``train.spmd_typecheck=true``) runs the dp4xep2 steps (same losses as without it),
 and a four-process step whose dispatch skips the all-to-all shows the checker naming the tokens
@@ -36,8 +36,9 @@ needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(sp
 LAYOUTS = {"dp2xep2": Plan(dp_shard=2, ep=2, microbatch=2),
            "dp4xep2": Plan(dp_shard=4, ep=2, microbatch=1),
            "hsdp2xep2": Plan(dp_replicate=2, dp_shard=2, ep=2, microbatch=1),
-           "dp2xtp2xep2": Plan(dp_shard=2, tp=2, ep=2, microbatch=2)}
-SLOW = {"dp4xep2", "hsdp2xep2", "dp2xtp2xep2"}          # four processes
+           "dp2xtp2xep2": Plan(dp_shard=2, tp=2, ep=2, microbatch=2),
+           "pp2xdp2xep2": Plan(pp=2, dp_shard=2, ep=2, microbatch=1, n_microbatches=2)}
+SLOW = {"dp4xep2", "hsdp2xep2", "dp2xtp2xep2", "pp2xdp2xep2"}          # four processes
 _RUNS: dict = {}
 
 
@@ -82,6 +83,24 @@ def test_the_typecheck_switch_runs_ep_steps_under_the_checker():
                     seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, steps=2, extra={"train.spmd_typecheck": True})
     assert "backend spmd_types" in run.proc.stdout, run.proc.stdout[-2000:]
     assert_close_per_step(run.losses, _run("dp4xep2", "spmd_types").losses[:2], 1e-6, "loss (checker on vs off)")
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("save, resume", [("spmd_types", "dtensor"), ("dtensor", "spmd_types")])
+def test_an_ep_checkpoint_resumes_on_the_other_backend(save, resume, tmp_path):
+    """The experts are stored as full [E, ...] tensors on both backends: a run saved under one resumes under
+    the other, its losses continuing those of the saving run."""
+    plan = LAYOUTS["dp2xep2"]
+    kw = dict(model=moe_spec_file(), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH)
+    base = run_titan(dataclasses.replace(plan, backend=save), train={"checkpoint_every": 2}, run_dir=tmp_path / "a",
+                     **kw)
+    again = run_titan(dataclasses.replace(plan, backend=resume), run_dir=tmp_path / "b", **kw,
+                      args=("--resume", str(base.run_dir / "checkpoints" / "step-000002")))
+    assert f"backend {resume}" in again.proc.stdout, again.proc.stdout[-2000:]
+    assert again.ranks[0]["first_step"] == 3, again.ranks[0]
+    assert_close_per_step(again.ranks[0]["losses"], base.losses[2:], 1e-6, f"loss ({save} -> {resume})")
 
 
 # --------------------------------------------------------------------------- which backend an EP plan gets
