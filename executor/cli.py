@@ -35,7 +35,6 @@ from .launch import die_with_parent, is_worker, run_torchrun, single_process_env
 # dry_run, export, torch itself) are imported where they are used, each marked "torch: launcher path".
 
 EXIT_BAD_INPUT = 2
-BAD_INPUT_GRACE_S = 5.0   # a worker other than rank 0 waits this long before it exits on bad input (see worker_main)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,10 +184,7 @@ def worker_main(args) -> int:
     try:
         cfg = load_config(args, world)
     except (ConfigError, ValueError) as e:
-        if rank == 0:
-            fail(str(e))
-        else:      # the same check fails on rank 0, which says it: let it, before the launcher stops every rank
-            time.sleep(BAD_INPUT_GRACE_S)
+        print_once(str(e))     # the first rank of the node to fail says it (the launcher stops the others)
         os._exit(EXIT_BAD_INPUT)
 
     from .mesh import init_distributed  # torch: launcher path (this module is also the launcher)

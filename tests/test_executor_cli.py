@@ -243,8 +243,9 @@ def test_issue14_builtin_corpus_too_small_for_the_batch_is_one_line(tmp_path):
 
 
 @pytest.mark.distributed
-def test_issue14_bad_data_under_a_plain_torchrun_is_said_by_rank_0(tmp_path):
-    """torchrun started by hand (no titan-run launcher): rank 0's line is there, once, before torchrun's report."""
+def test_issue14_bad_data_under_a_plain_torchrun_is_said_once(tmp_path):
+    """torchrun started by hand (no titan-run launcher): the first rank to fail says it, once, before torchrun's
+    own report."""
     plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {"data": _file(tmp_path / "c.csv", "a,b\n")})
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "executor.cli", "--plan", plan, "--run-dir", str(tmp_path / "run")], cwd=ROOT,
