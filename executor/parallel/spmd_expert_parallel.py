@@ -24,7 +24,9 @@ backend pieces typed instead of DTensor:
   ``ep``; its backward is the reverse all-to-all, typed the same way.
 
 The router, its auxiliary loss and the shared experts stay in the dense block: dense
-parameters, R on the dp axes, reduced by the block's FSDP like the others.  Under the
+parameters, R on the dp axes, reduced by the block's FSDP like the others; the aux-loss
+gradient hook (``moe.AuxLossGrad``) is declared a local autograd function, so the routed
+output keeps its type through it.  Under the
 checker the whole step is typed; in erasure mode (checker off) the relabelling is
 skipped and only the collectives run.  Model code is untouched: :func:`apply_spmd_ep`
 swaps ``feed_forward.experts`` from outside, as ``apply_ep`` does.
@@ -39,8 +41,14 @@ from torch.distributed.device_mesh import DeviceMesh
 import spmd_types as spmd
 from spmd_types import rules
 
-from ..models.moe import GroupedExperts
+from ..models.moe import AuxLossGrad, GroupedExperts
 from .expert_parallel import ExpertParallelExperts
+
+# The MoE layer's aux-loss gradient hook (moe.AuxLossGrad: the identity on the routed output, a constant
+# gradient for the router's aux loss in backward) is local, no collective: declared so, the checker carries
+# the routed output's type through it (an unregistered autograd Function leaves its output untyped).
+spmd.register_local_autograd_function(AuxLossGrad)
+
 
 def _axis(mesh: DeviceMesh, name: str) -> spmd.MeshAxis:
     return spmd.MeshAxis.of(mesh.get_group(name))

@@ -140,7 +140,7 @@ def _dispatch_without_all_to_all(self, x, out_splits, in_splits):
 
 def _checker_worker(rank: int, world: int, port: int, out_q) -> None:
     """One typechecked step of moe-debug (aux loss on) at dp_shard 4 x ep 2 on gloo, then one whose dispatch
-    skips the all-to-all; rank 0 reports (first step's verdict, second step's error)."""
+    skips the all-to-all; rank 0 reports (first step's verdict, second step's error, the MoE output's type)."""
     import torch.distributed as dist
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -161,6 +161,15 @@ def _checker_worker(rank: int, world: int, port: int, out_q) -> None:
                                    backend="spmd_types", device=torch.device("cpu"))
         assert set_aux_loss_scale(moe_layers(stages), spec, plan) > 0
         model = stages[0][1]
+        out_types = []          # the routed experts' output under the checker (after the aux-loss gradient hook)
+        ff = moe_layers(stages)[0][1]
+        routed = ff.routed
+
+        def typed_routed(x):
+            out = routed(x)
+            out_types.append(sorted(f"{a}: {t!r}" for a, t in spmd.get_local_type(out).items()))
+            return out
+        ff.routed = typed_routed
         tok = torch.randint(0, spec.vocab_size, (1, 32), generator=torch.Generator().manual_seed(rank))
         verdicts = []
         for broken in (False, True):
@@ -173,7 +182,7 @@ def _checker_worker(rank: int, world: int, port: int, out_q) -> None:
                 verdicts.append(f"SpmdTypeError: {e}")
             model.zero_grad()
         if rank == 0:
-            out_q.put(tuple(verdicts))
+            out_q.put((*verdicts, out_types[0]))
     except Exception:        # noqa: BLE001 (reported to the test)
         out_q.put(("error", traceback.format_exc()))
     finally:
@@ -192,13 +201,16 @@ def test_checker_names_a_dispatch_that_skips_the_all_to_all():
     for p in procs:
         p.start()
     try:
-        ok, broken = q.get(timeout=600)
+        ok, broken, moe_out_type = q.get(timeout=600)
     finally:
         for p in procs:
             p.join(timeout=120)
             if p.is_alive():
                 p.kill()
     assert ok == "ok", ok
+    # the routed output is typed (Varying on the dense dp axis) also through the aux-loss gradient hook
+    # (moe.AuxLossGrad, declared a local autograd function: unregistered, its output would be untyped)
+    assert len(moe_out_type) == 1 and moe_out_type[0].endswith(": V"), moe_out_type
     # the experts' weights are typed on (efsdp, ep); tokens that never crossed are still on dp_shard
     assert broken.startswith("SpmdTypeError:"), broken
     assert "not orthogonal" in broken and "mesh_efsdp" in broken and "mesh_ep" in broken, broken
