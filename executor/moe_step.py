@@ -17,7 +17,9 @@
 * :func:`sum_moe_grads_over_tp` -- MoE layers are not TP-sharded: each tp rank
   runs router, routed and shared experts on its own sequence-parallel tokens,
   so after backward (and after FSDP's reduce-scatter) their gradients are
-  summed over the tp group, before clipping and the optimizer step.
+  summed over the tp group, before clipping and the optimizer step (dtensor
+  backend; on spmd_types those parameters are typed R on tp, their gradients
+  pending sums that the grad-norm clip reduces with the norms').
 * :func:`collect_step_stats` -- after the optimizer step: tokens routed per
   expert per MoE layer (summed over the step's micro-batches and all ranks),
   router imbalance (max/mean tokens per expert, and per EP rank), all-to-all

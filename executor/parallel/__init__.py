@@ -10,7 +10,7 @@ PP split, schedules        ``pipeline.py``
 TP / SP, loss parallel     ``tensor_parallel.py``
 TP / SP on spmd_types      ``spmd_tensor_parallel.py`` (tables), ``spmd_step.py`` (typed step)
 CP (ring attention)        ``context_parallel.py``, ``ring_attention.py``
-EP (all-to-all experts)    ``expert_parallel.py``
+EP (all-to-all experts)    ``expert_parallel.py``, ``spmd_expert_parallel.py`` (typed, spmd_types)
 AC (full, selective)       ``activation_checkpoint.py``
 compile (per block)        ``compile.py``
 FSDP2 / HSDP, spmd_types   ``fsdp.py``
