@@ -230,6 +230,22 @@ def test_issue14_good_data_passes_the_check(tmp_path):
         load_run_config(plan, ["workload.seq_len=128"], world_size=2)     # 4 x 129 = 516 needed
 
 
+@pytest.mark.parametrize("make,message", [
+    (lambda d: (d / "c.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n'), "c.jsonl' is not UTF-8 text"),
+    (lambda d: (d / "notes.md").write_text("# notes"), "has no .txt or .jsonl files"),
+    (lambda d: (d / "c.jsonl").write_text("[1, 2]\n"), "line 1 has no 'text' field (got list)"),
+    (lambda d: (d / "c.txt").write_text(""), "has 2 tokens (tokenizer bytes"),     # BOS + EOS only
+], ids=["jsonl-not-utf8", "folder-without-corpus", "jsonl-line-a-list", "empty"])
+def test_issue14_corpus_problems_are_one_line_naming_the_file(tmp_path, make, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    make(data)
+    plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {"data": str(data)})
+    with pytest.raises(DataError) as ei:
+        load_run_config(plan, [], world_size=2)
+    assert message in str(ei.value) and "\n" not in str(ei.value) and str(data) in str(ei.value)
+
+
 @pytest.mark.distributed
 def test_issue14_builtin_corpus_too_small_for_the_batch_is_one_line(tmp_path):
     """The built-in corpus is not read before the launch (the planner's dry runs use it for any batch); a run
