@@ -4,7 +4,8 @@
 starts a fake process group of the target world size (no communication, no
 accelerator), builds the model on the meta device and applies the plan's
 parallelisms exactly as a real run does (pipeline split, TP/SP, CP, AC,
-FSDP). For the ranks it inspects (by default the first rank of every
+FSDP), on the backend a real run resolves (``resolve_backend``: ``spmd_types``
+unless the plan says ``dtensor`` or needs what only DTensor has; it prints which). For the ranks it inspects (by default the first rank of every
 pipeline stage, where memory differs) it reports the exact bytes of the
 parameters, gradients and AdamW states each rank holds, and -- with
 ``--memory`` -- a FakeTensor estimate of one training step's peak from
@@ -29,8 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, _redistribute
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from search_spaces.planfile import read_plan_file
@@ -38,7 +38,8 @@ from search_spaces.planfile import read_plan_file
 from .config import ConfigError, load_run_config
 from .dry_run_step import fake_step_peak
 from .mesh import build_meshes
-from .parallel import build_model_parts, resolve_precision
+from .parallel import build_model_parts, resolve_backend, resolve_precision
+from .parallel.fsdp import forget_mesh_caches
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -56,14 +57,18 @@ def _fsdp_unsharded_numel(stages) -> dict[int, int]:
     return out
 
 
-def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
+def inspect_rank(cfg, rank: int, world: int, *, memory: bool, announce: bool = False) -> dict[str, Any]:
+    """One rank's exact state bytes (and with `memory` its FakeTensor step peak), the model built and
+    parallelized on the backend a real run resolves (``resolve_backend``; its one-line note with
+    `announce`)."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         plan = cfg.plan
         meshes = build_meshes(plan, "cpu")
         # bf16 compute with fp32 master weights (the accelerator target) unless the run or workload says fp32
         precision = resolve_precision(cfg, accelerator=True)
-        stages = build_model_parts(cfg.spec, plan, meshes, precision=precision, backend="dtensor")
+        backend = resolve_backend(plan, meshes, announce=announce, spec=cfg.spec)
+        stages = build_model_parts(cfg.spec, plan, meshes, precision=precision, backend=backend)
         params = [p for _, m in stages for p in m.parameters()]
         n_local = sum(_local_numel(p) for p in params)
         trainable = sum(_local_numel(p) for p in params if p.requires_grad)
@@ -75,7 +80,7 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
         grad_numel = (sum(unsharded.get(id(p), _local_numel(p)) for p in params if p.requires_grad)
                       if plan.pp > 1 and plan.n_microbatches > 1 else trainable)
         out: dict[str, Any] = {
-            "rank": rank, "stages": [i for i, _ in stages],
+            "rank": rank, "stages": [i for i, _ in stages], "backend": backend,
             "param_numel": n_local,
             "params_bytes": 4 * n_local,              # fp32 master parameters
             "grads_bytes": 4 * grad_numel,            # fp32 gradients
@@ -83,25 +88,15 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool) -> dict[str, Any]:
         }
         out["state_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]
         if memory:
-            est, modelled = fake_step_peak(stages, cfg, meshes, precision)
+            est, modelled = fake_step_peak(stages, cfg, meshes, precision, backend=backend)
             out["memory_estimate"] = est
             out["memory_model"] = modelled
         return out
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """Drop DTensor's sharding-propagation and redistribution caches between inspected ranks.
-
-    Their keys compare meshes by shape and axis names, not by process group, so a cached result
-    from the previous rank's fake world would send the next rank's collectives to a destroyed
-    group (``RuntimeError: Could not resolve the process group registered under the name 15``).
-    """
-    _clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+        # the next rank's fake world has equal meshes on new groups: cached results would name this
+        # world's destroyed groups ("Could not resolve the process group registered under the name 15")
+        forget_mesh_caches()
 
 
 def _mib(v: float) -> str:
@@ -141,20 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in ranks:
         try:
-            rows.append(inspect_rank(cfg, r, world, memory=args.memory))
+            rows.append(inspect_rank(cfg, r, world, memory=args.memory, announce=not rows))
         except Exception as e:  # noqa: BLE001 - a layout the executor cannot apply: report it as such
             doc = {"status": "error", "rank": r, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             print(json.dumps(doc) if args.json else f"titan-run: dry run failed on rank {r}: {doc['error']}",
                   file=sys.stdout if args.json else sys.stderr)
             return 1
     worst = max(rows, key=lambda x: x["state_bytes"])
-    doc = {"status": "ok", "world": world, "plan": plan.to_dict(), "model": cfg.spec.name, "ranks": rows,
+    doc = {"status": "ok", "world": world, "plan": plan.to_dict(), "model": cfg.spec.name,
+           "backend": rows[0]["backend"], "ranks": rows,
            "worst_rank": worst["rank"], "worst_state_bytes": worst["state_bytes"],
            "elapsed_s": round(time.perf_counter() - t0, 3), "note": note}
     if args.json:
         print(json.dumps(doc))
     else:
-        print(f"dry run of {cfg.spec.name} on a fake world of {world} ({plan.describe()}), "
+        print(f"dry run of {cfg.spec.name} on a fake world of {world} ({plan.describe()}), backend {doc['backend']}, "
               f"{len(rows)} rank(s) in {doc['elapsed_s']} s")
         for x in rows:
             line = (f"  rank {x['rank']:>6} stages {x['stages']}: params {x['params_bytes'] / 2**30:8.3f} GiB  "

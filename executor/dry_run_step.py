@@ -6,6 +6,10 @@ materialized as FakeTensors and one optimizer step is executed under torch's
 FSDP-aware memory tracker (``torch.distributed._tools.fsdp2_mem_tracker``).
 The second of two steps is measured (AdamW states exist by then).
 
+The step is the one of the backend the stages were built for (``dry_run.py`` resolves it as a
+real run does): under spmd_types TP the loss is the vocab-parallel cross-entropy of the local
+logits, under dtensor TP DTensor's loss parallel.
+
 What is modelled, by layout:
 
 * ``pp == 1``: the executor's gradient accumulation -- ``n_microbatches``
@@ -49,11 +53,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import _sharding_prop
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+import spmd_types as spmd
+
 from cost_models.memory import in_flight_microbatches
 from search_spaces.table import CandidateTable
 
 from .parallel.context_parallel import head_tail_indices
 from .parallel.pipeline import build_schedule
+from .parallel.spmd_step import spmd_mesh
+from .parallel.spmd_tensor_parallel import vocab_parallel_cross_entropy
 from .parallel.tensor_parallel import cross_entropy, loss_parallel
 from .train import build_optimizer
 
@@ -226,8 +234,24 @@ def _own_propagation_mode():
         _sharding_prop.detect_fake_mode = detect
 
 
-def fake_step_peak(stages, cfg, meshes, precision) -> tuple[dict[str, float], dict[str, Any]]:
-    """(peak bytes by tracker category incl. 'total', what was modelled) for one step of this rank."""
+def _step_loss(plan, meshes, backend: str):
+    """(loss function of (logits, labels), context of the step) as the real step on `backend` has them:
+    DTensor loss parallel under dtensor TP; the vocab-parallel cross-entropy of the local logits under
+    spmd_types TP (``spmd_step.py``); a plain cross-entropy otherwise."""
+    if backend == "spmd_types" and plan.tp > 1:
+        mesh = spmd_mesh(meshes, plan)
+        batch_types = {spmd.MeshAxis.of(mesh.get_group(n)): spmd.V for n in mesh.mesh_dim_names if n != "tp"}
+        return (lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, meshes.tp, batch_types),
+                contextlib.nullcontext)
+    if backend == "dtensor" and plan.tp > 1:
+        return cross_entropy, loss_parallel
+    return cross_entropy, contextlib.nullcontext
+
+
+def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
+                   ) -> tuple[dict[str, float], dict[str, Any]]:
+    """(peak bytes by tracker category incl. 'total', what was modelled) for one step of this rank, whose
+    `stages` were parallelized on `backend`."""
     plan = cfg.plan
     seq_local = cfg.seq_len // plan.cp
     if plan.cp > 1:
@@ -235,7 +259,7 @@ def fake_step_peak(stages, cfg, meshes, precision) -> tuple[dict[str, float], di
     else:
         positions = torch.arange(cfg.seq_len)
     pp_rank = meshes.pp.get_local_rank() if plan.pp > 1 else 0
-    loss_ctx = loss_parallel if plan.tp > 1 else contextlib.nullcontext
+    loss_fn, loss_ctx = _step_loss(plan, meshes, backend)
     hidden_shape = (plan.microbatch, seq_local // plan.tp if plan.tp > 1 else seq_local, cfg.spec.dim)
 
     with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_mode():
@@ -243,7 +267,7 @@ def fake_step_peak(stages, cfg, meshes, precision) -> tuple[dict[str, float], di
             m.to_empty(device="cpu")
         schedule = None
         if plan.pp > 1:
-            runner = build_schedule(stages, plan, meshes.pp, cross_entropy, "cpu", step_context=loss_ctx)
+            runner = build_schedule(stages, plan, meshes.pp, loss_fn, "cpu", step_context=loss_ctx)
             schedule = runner.schedule
         actions = rank_actions(plan, stages, schedule, pp_rank)
         optimizer = build_optimizer(stages, cfg, torch.device("cpu"))
@@ -268,7 +292,7 @@ def fake_step_peak(stages, cfg, meshes, precision) -> tuple[dict[str, float], di
         with tracker:
             with loss_ctx():
                 max_live = _replay(actions, dict(stages), plan, tokens=tokens, labels=labels, positions=positions,
-                                   hidden=(hidden_shape, precision.param_dtype), loss_fn=cross_entropy)
+                                   hidden=(hidden_shape, precision.param_dtype), loss_fn=loss_fn)
             optimizer.step()
             optimizer.zero_grad()
         snap = tracker.get_tracker_snapshot("peak")

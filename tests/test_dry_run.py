@@ -1,6 +1,7 @@
 """titan-run --dry-run: exact per-rank state bytes equal to the cost model; FakeTensor step peaks for pp and cp."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -196,3 +197,51 @@ def test_planner_dry_run_never_picks_a_candidate_over_memory(tmp_path):
     assert "[dry run] 1/1" in r.stderr and "over_memory" in r.stderr      # the plain progress line (no TTY)
     written = yaml.safe_load(out.read_text())["plan"]
     assert Plan.from_dict(written) != top_plan
+
+
+# ---------------------------------------------------------------------------- the backend: resolved as a real run does
+def test_dry_run_applies_the_spmd_path_like_a_real_run(tmp_path):
+    """--dry-run --world 16384 builds what a real run resolves (resolve_backend): spmd_types for TP x FSDP with
+    compile, no note; it says which backend it applied; its state bytes are the dtensor build's but for the
+    embedding, which dtensor leaves replicated over tp under compile (docs/torch_on_cpu.md §8c)."""
+    plan = Plan(dp_shard=2048, tp=8, compile=True)
+    docs = {}
+    for backend in ("spmd_types", "dtensor"):
+        r = dry_run(tmp_path, "llama3-8b", plan, 4096, plan.global_batch(), "--world", "16384",
+                    *(["--set", "plan.backend=dtensor"] if backend == "dtensor" else []))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "note: backend" not in r.stderr, r.stderr
+        docs[backend] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert docs[backend]["backend"] == backend and [x["backend"] for x in docs[backend]["ranks"]] == [backend]
+    # rank 0's FSDP dim-0 shard of the embedding: ceil(rows / 2048) rows of the full vocabulary (dtensor) or of
+    # this tp rank's eighth (spmd_types); 16 bytes a parameter (fp32 parameter, gradient, two AdamW states)
+    spec, fsdp = load_model("llama3-8b"), plan.dp_shard
+    extra = (-(-spec.vocab_size // fsdp) - -(-spec.vocab_size // plan.tp // fsdp)) * spec.dim * 16
+    assert docs["dtensor"]["worst_state_bytes"] - docs["spmd_types"]["worst_state_bytes"] == extra
+    f = tmp_path / "plan.yaml"                  # the text report names the backend in its first line
+    r = subprocess.run([sys.executable, "-m", "executor.cli", "--dry-run", "--plan", str(f), "--world", "16384"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "backend spmd_types" in r.stdout.splitlines()[0], r.stdout + r.stderr[-2000:]
+
+
+def test_dry_run_step_peak_on_spmd_types_matches_dtensor(tmp_path):
+    """The FakeTensor step of an spmd_types TP x FSDP rank (typed collectives, vocab-parallel loss) peaks where
+    the dtensor build's does (both bf16 compute: the SP all-gather's backward runs in bf16)."""
+    plan = Plan(dp_shard=4, tp=2, microbatch=2)
+    totals = {}
+    for backend in ("spmd_types", "dtensor"):
+        r = dry_run(tmp_path, "llama3-debug", dataclasses.replace(plan, backend=backend), 256, 8, "--memory")
+        assert r.returncode == 0, r.stderr[-2000:]
+        doc = json.loads(r.stdout.strip().splitlines()[-1])
+        assert doc["backend"] == backend, doc
+        totals[backend] = doc["ranks"][0]["memory_estimate"]["total"]
+    assert totals["spmd_types"] == pytest.approx(totals["dtensor"], rel=0.1), totals
+
+
+def test_dry_run_of_a_plan_the_spmd_path_cannot_run_names_it(tmp_path):
+    """MLA under TP has no spmd_types table: the dry run applies dtensor, as a real run would, with its one line."""
+    r = dry_run(tmp_path, "deepseek-debug", Plan(tp=2, microbatch=2), 256, 2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["backend"] == "dtensor"
+    notes = [ln for ln in r.stderr.splitlines() if "note: backend dtensor instead of spmd_types" in ln]
+    assert len(notes) == 1 and "MLA" in notes[0], r.stderr
