@@ -1,6 +1,7 @@
-"""Eager tokens/s of the two backends on the same plan: ``spmd_types`` vs ``dtensor``.
+"""Tokens/s of the two backends on the same plan: ``spmd_types`` vs ``dtensor``, eager and with compile.
 
-For each layout (TP 2, FSDP 2 x TP 2 by default) both backends train the same model
+For each layout (FSDP 2, TP 2, FSDP 2 x TP 2, each eager and with per-block compile, by
+default) both backends train the same model
 (llama3-debug, seq 512, local batch 2 per data-parallel rank, fp32, gloo on CPU) with
 real `titan-run` runs, alternating backend after backend (and which one goes first
 each round) so drift hits both alike.  A run's figure is the median tokens/s per
@@ -8,11 +9,14 @@ device of its steps after the warm-up steps; each backend's figure is the median
 its runs (>= 5).  Every run must report the backend it was asked for (no fallback).
 Prints each run, then the medians, and last the ratio spmd_types / dtensor per layout.
 
-    python bench/bench_backends.py [--runs 5] [--steps 8] [--warmup 3] [--layouts tp2,dp2xtp2]
+    python bench/bench_backends.py [--runs 5] [--steps 8] [--warmup 3] [--layouts tp2,tp2_compile]
+
+A compiled run's first step compiles the blocks: it is one of the warm-up steps left out.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -29,8 +33,11 @@ sys.path.insert(0, str(ROOT))
 from search_spaces.plan import Plan  # noqa: E402
 
 LOCAL_BATCH = 2
-LAYOUTS = {"tp2": Plan(tp=2, microbatch=LOCAL_BATCH),
-           "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=LOCAL_BATCH)}
+EAGER = {"dp2": Plan(dp_shard=2, microbatch=LOCAL_BATCH),
+         "tp2": Plan(tp=2, microbatch=LOCAL_BATCH),
+         "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=LOCAL_BATCH)}
+# the same layouts with per-block torch.compile (spmd_types: erasure mode, the typed collectives eager)
+LAYOUTS = {**EAGER, **{f"{name}_compile": dataclasses.replace(plan, compile=True) for name, plan in EAGER.items()}}
 BACKENDS = ("spmd_types", "dtensor")
 
 
@@ -82,11 +89,11 @@ def main() -> None:
                     tps = run_once(LAYOUTS[name], backend, model=args.model, seq_len=args.seq_len,
                                    steps=args.steps, warmup=args.warmup, tmp=Path(tmp))
                     results[name][backend].append(tps)
-                    print(f"run {i + 1}/{args.runs} {name:8s} {backend:10s} {tps:8.1f} tokens/s/device", flush=True)
+                    print(f"run {i + 1}/{args.runs} {name:16s} {backend:10s} {tps:8.1f} tokens/s/device", flush=True)
     print(f"\n{args.model}, seq {args.seq_len}, local batch {LOCAL_BATCH}, fp32, gloo; median of {args.runs} runs "
           f"({args.steps} steps, first {args.warmup} left out), tokens/s per device:")
     for name in layouts:
-        print(f"  {name:8s} " + "  ".join(f"{b} {statistics.median(results[name][b]):8.1f}" for b in BACKENDS))
+        print(f"  {name:16s} " + "  ".join(f"{b} {statistics.median(results[name][b]):8.1f}" for b in BACKENDS))
     print("spmd_types / dtensor: " + ", ".join(
         f"{name} {statistics.median(results[name]['spmd_types']) / statistics.median(results[name]['dtensor']):.3f}x"
         for name in layouts))
