@@ -6,6 +6,7 @@ llama3-debug at seq_len 64, global batch 4, fp32.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -172,6 +173,45 @@ def test_safetensors_export_import_round_trip(base2, tmp_path):
     assert p.returncode == 0, p.stderr
     again = load_file(str(tmp_path / "again.safetensors"))
     assert all((again[k] == t[k]).all() for k in t)
+
+
+# --------------------------------------------------------------------------- across backends
+TP2 = Plan(tp=2, microbatch=4)
+
+
+def test_fsdp_saved_on_spmd_types_resumes_on_dtensor(base2):
+    tmp, run_dir, want = base2          # FSDP2's backend is the default, spmd_types
+    assert FSDP2.backend == "spmd_types"
+    p, _, rec = titan_run(tmp, "to-dtensor", dataclasses.replace(FSDP2, backend="dtensor"),
+                          args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
+    assert "backend dtensor" in p.stdout and rec["first_step"] == 3, p.stdout[-2000:]
+    assert_close_per_step(rec["losses"], want[2:], 1e-6)
+
+
+@pytest.fixture(scope="module")
+def tp2_bases(tmp_path_factory):
+    """TP 2 on each backend, checkpoints every 2 steps: tmp, {backend: (run dir, losses)}."""
+    tmp = tmp_path_factory.mktemp("ckpt-backends")
+    bases = {}
+    for backend in ("spmd_types", "dtensor"):
+        p, run_dir, rec = titan_run(tmp, f"base-{backend}", dataclasses.replace(TP2, backend=backend),
+                                    train={"checkpoint_every": 2, "keep_checkpoints": 0})
+        assert f"backend {backend}" in p.stdout, p.stdout[-2000:]
+        bases[backend] = (run_dir, rec["losses"])
+    return tmp, bases
+
+
+@pytest.mark.parametrize("saved, resumed", [("spmd_types", "dtensor"), ("dtensor", "spmd_types")])
+def test_tensor_parallel_resumes_across_backends(tp2_bases, saved, resumed):
+    """Typed local shards (spmd_types) and DTensor shards are one checkpoint format (DCP, by FQN): a TP run
+    saved on one backend continues on the other as the uninterrupted run of either backend."""
+    tmp, bases = tp2_bases
+    run_dir, want = bases[saved]
+    p, _, rec = titan_run(tmp, f"{saved}-to-{resumed}", dataclasses.replace(TP2, backend=resumed),
+                          args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
+    assert f"backend {resumed}" in p.stdout and rec["first_step"] == 3, p.stdout[-2000:]
+    assert_close_per_step(rec["losses"], want[2:], 1e-6, f"loss (saved on {saved}, resumed on {resumed})")
+    assert_close_per_step(rec["losses"], bases[resumed][1][2:], 1e-6, f"loss (vs an uninterrupted {resumed} run)")
 
 
 # --------------------------------------------------------------------------- other layouts
