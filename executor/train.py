@@ -51,7 +51,7 @@ from .parallel import Precision, build_model_parts, resolve_backend, resolve_pre
 from .parallel.context_parallel import cp_shard_batch
 from .parallel import spmd_step
 from .parallel.pipeline import build_schedule
-from .parallel.spmd_pipeline import build_typed_schedule
+from .parallel.spmd_pipeline import build_typed_schedule, typed_cp_shard_batch
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
 from .summary import summarize, summary_line, write_rank_file
 
@@ -157,7 +157,9 @@ def forward_backward(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) ->
     tokens, labels = tokens.to(tr.device, non_blocking=True), labels.to(tr.device, non_blocking=True)
     if plan.pp > 1:
         positions = torch.arange(tokens.shape[1], device=tr.device)
-        if plan.cp > 1:
+        if plan.cp > 1 and tr.backend == "spmd_types":       # the same shares, positions typed V on cp
+            tokens, labels, positions = typed_cp_shard_batch(tokens, labels, meshes, plan)
+        elif plan.cp > 1:
             tokens, labels, positions = cp_shard_batch(tokens, labels, meshes.cp)
         loss = tr.runner.step(tokens, labels, positions)
         return loss.float() if loss is not None else torch.zeros((), device=tr.device)

@@ -93,8 +93,6 @@ def apply_float8(module: nn.Module) -> None:
 
 def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
-    if plan.cp > 1 and plan.pp > 1:
-        return "context parallel with pipeline parallel (cp > 1, pp > 1): the stages' cp batch is not typed yet"
     if plan.ep > 1 and plan.tp > 1 and plan.cp > 1:
         return "expert parallel with tensor and context parallel (ep, tp, cp > 1): no typed experts' mesh yet"
     if plan.float8:

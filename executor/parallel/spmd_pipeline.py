@@ -14,7 +14,10 @@ its FSDP handling are ``pipeline.build_schedule``'s; what is typed here:
   The schedule divides the accumulated gradients by ``n_microbatches``
   (``scale_grads=True``), so they are those of the mean loss of the local batch;
 * the batch the runner hands the schedule (:class:`TypedPipelineRunner`): tokens
-  and labels Varying on the dp axes, Replicate on tp.
+  and labels Varying on the dp axes, Replicate on tp; under CP this rank's head-tail
+  share of each sequence, Varying on cp, and so are the RoPE positions every stage
+  gets (:func:`typed_cp_shard_batch`).  With cp in the SPMD mesh, the loss is a
+  pending sum over cp as well and hidden states are V on it.
 
 Pipeline P2P stays outside the type system: ``PipelineStage`` sends and receives
 plain tensors (``dist.batch_isend_irecv``) between pipeline ranks, which are not an
@@ -45,6 +48,7 @@ import spmd_types as spmd
 
 from .fsdp import spmd_loss, spmd_typecheck
 from .pipeline import PipelineRunner, build_schedule
+from .spmd_context_parallel import spmd_cp_shard_batch
 from .spmd_step import _types, loss_dp_mesh, spmd_mesh
 from .spmd_tensor_parallel import SEQ_DIM, vocab_parallel_cross_entropy
 from .tensor_parallel import cross_entropy
@@ -58,6 +62,14 @@ def batch_types(meshes, plan) -> dict:
 def hidden_types(meshes, plan) -> dict:
     """Type of the hidden state a stage sends to the next: V on dp; under TP+SP sequence-sharded, S(1) on tp."""
     return _types(spmd_mesh(meshes, plan), dp=spmd.V, tp=spmd.S(SEQ_DIM))
+
+
+def typed_cp_shard_batch(tokens: torch.Tensor, labels: torch.Tensor, meshes, plan
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PP x CP: this cp rank's head-tail share of the local batch, as the non-pipelined step takes it
+    (``spmd_context_parallel.spmd_cp_shard_batch``): positions V on cp and R elsewhere; tokens and labels
+    are typed by the runner (V on dp and cp, R on tp).  Every stage gets the positions (``pipeline.py``)."""
+    return spmd_cp_shard_batch(tokens, labels, meshes.cp, spmd_mesh(meshes, plan))
 
 
 def check_loss_type(loss: torch.Tensor) -> None:
@@ -138,4 +150,4 @@ def build_typed_schedule(stages: list[tuple[int, nn.Module]], plan, meshes, devi
 
 
 __all__ = ["TypedMicroBatchLoss", "TypedPipelineRunner", "batch_types", "build_typed_schedule", "check_loss_type",
-           "hidden_types"]
+           "hidden_types", "typed_cp_shard_batch"]

@@ -167,11 +167,3 @@ def test_cp_plans_get_spmd_types_silently(capsys):
         assert resolve_backend(plan, _Meshes(), announce=True, spec=spec) == "spmd_types", plan.describe()
     assert resolve_backend(Plan(cp=2, backend="dtensor"), _Meshes(), announce=True) == "dtensor"
     assert capsys.readouterr().err == ""
-
-
-@needs_spmd
-def test_cp_with_pp_gets_dtensor_with_one_line(capsys):
-    assert resolve_backend(Plan(pp=2, cp=2, microbatch=1, n_microbatches=2), _Meshes(), announce=True) == "dtensor"
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: "), err
-    assert "context parallel with pipeline parallel" in err[0], err

@@ -2,7 +2,8 @@
 
 Every schedule the executor runs (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV) on
 PP 2 x DP 2 (FSDP over typed parameters in each stage) and PP 2 x TP 2 (spmd TP/SP inside a
-stage, vocab-parallel loss), through the real ``titan-run`` (4 gloo processes): on
+stage, vocab-parallel loss), and PP 2 x CP 2 (typed ring attention in the stages) on 1F1B and
+ZBVZeroBubble, through the real ``titan-run`` (4 gloo processes): on
 ``spmd_types`` loss and grad norm per step within 1e-4 relative of one process, and within
 1e-5 of the same plan on ``dtensor``.  The checker switch runs PP steps under the spmd_types
 checker; a fresh-process fake-process-group test shows the pipeline loss check refuses a loss
@@ -30,7 +31,10 @@ from tests.distributed.harness import assert_close_per_step, assert_matches_sing
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
-LAYOUTS = {"pp2xdp2": {"dp_shard": 2}, "pp2xtp2": {"tp": 2}}
+LAYOUTS = {"pp2xdp2": {"dp_shard": 2}, "pp2xtp2": {"tp": 2}, "pp2xcp2": {"cp": 2}}
+# every schedule on PP x DP and PP x TP; PP x CP (ring attention inside the stages) on one plain and one V schedule
+CASES = [(layout, schedule) for layout in ("pp2xdp2", "pp2xtp2") for schedule in SCHEDULES] + \
+    [("pp2xcp2", "1F1B"), ("pp2xcp2", "ZBVZeroBubble")]
 # one case per layout stays out of `slow` (a run takes ~35 s with the 4 ranks on 2 busy cores; the rest are slow)
 FAST = {("pp2xtp2", "1F1B"), ("pp2xdp2", "Interleaved1F1B")}
 _RUNS: dict = {}
@@ -40,7 +44,7 @@ def _plan(layout: str, schedule: str, backend: str) -> Plan:
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     n_mb = 4 if schedule == "DualPipeV" else 2          # DualPipeV needs >= 2 * pp micro-batches
     # a global batch of 4 (the cached single-process reference) where the micro-batch count allows
-    mb = 2 if "tp" in LAYOUTS[layout] and n_mb == 2 else 1
+    mb = 2 if "dp_shard" not in LAYOUTS[layout] and n_mb == 2 else 1
     return Plan(pp=2, schedule=schedule, stages_per_rank=v, n_microbatches=n_mb, microbatch=mb, backend=backend,
                 **LAYOUTS[layout])
 
@@ -56,12 +60,11 @@ def _run(layout: str, schedule: str, backend: str):
 
 
 def _cases(*extra):
-    for layout in LAYOUTS:
-        for schedule in SCHEDULES:
-            marks = [] if (layout, schedule) in FAST else [pytest.mark.slow]
-            for e in extra or [None]:
-                args = (layout, schedule) if e is None else (layout, schedule, e)
-                yield pytest.param(*args, marks=marks, id="-".join(a for a in args))
+    for layout, schedule in CASES:
+        marks = [] if (layout, schedule) in FAST else [pytest.mark.slow]
+        for e in extra or [None]:
+            args = (layout, schedule) if e is None else (layout, schedule, e)
+            yield pytest.param(*args, marks=marks, id="-".join(a for a in args))
 
 
 @needs_spmd
@@ -83,7 +86,7 @@ def test_backends_match_each_other(layout, schedule):
 @needs_spmd
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, schedule", [("pp2xtp2", "ZBVZeroBubble"), ("pp2xdp2", "1F1B")])
+@pytest.mark.parametrize("layout, schedule", [("pp2xtp2", "ZBVZeroBubble"), ("pp2xdp2", "1F1B"), ("pp2xcp2", "1F1B")])
 def test_the_typecheck_switch_runs_pp_steps_under_the_checker(layout, schedule):
     plan = _plan(layout, schedule, "spmd_types")
     run = run_titan(plan, steps=2, extra={"train.spmd_typecheck": True})
@@ -101,10 +104,9 @@ class _Meshes:
 @needs_spmd
 def test_pp_plans_get_spmd_types_silently(capsys):
     spec = load_model("llama3-debug")
-    for layout in LAYOUTS:
-        for schedule in SCHEDULES:
-            assert resolve_backend(_plan(layout, schedule, "spmd_types"), _Meshes(), announce=True,
-                                   spec=spec) == "spmd_types"
+    for layout, schedule in CASES:
+        assert resolve_backend(_plan(layout, schedule, "spmd_types"), _Meshes(), announce=True,
+                               spec=spec) == "spmd_types"
     assert capsys.readouterr().err == ""
 
 

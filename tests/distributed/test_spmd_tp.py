@@ -147,7 +147,6 @@ class _Meshes:
 
 
 @pytest.mark.parametrize("plan, missing", [
-    (Plan(pp=2, cp=2, microbatch=1, n_microbatches=2), "context parallel"),   # cp alone is typed: test_spmd_cp.py
     (Plan(dp_shard=2, float8=True), "float8"),
 ])
 def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missing, capsys):
