@@ -29,7 +29,10 @@ from tests.distributed.harness import assert_close_per_step, assert_matches_sing
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"cp2": Plan(cp=2, microbatch=4), "dp2xcp2": Plan(dp_shard=2, cp=2, microbatch=2),
-           "cp2xtp2": Plan(cp=2, tp=2, microbatch=4)}
+           "cp2xtp2": Plan(cp=2, tp=2, microbatch=4), "hsdp2xcp2": Plan(dp_replicate=2, cp=2, microbatch=2),
+           "dp2xcp2xtp2": Plan(dp_shard=2, cp=2, tp=2, microbatch=2)}
+SLOW = {"hsdp2xcp2", "dp2xcp2xtp2"}
+PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in LAYOUTS]
 _RUNS: dict = {}
 
 
@@ -46,7 +49,7 @@ def _run(layout: str, backend: str):
 
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", PARAMS)
 @pytest.mark.parametrize("backend", ["spmd_types", "dtensor"])
 def test_cp_matches_single_process(layout, backend):
     _run(layout, backend)
@@ -54,7 +57,7 @@ def test_cp_matches_single_process(layout, backend):
 
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", PARAMS)
 def test_backends_match_each_other(layout):
     a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
     assert_close_per_step(a.losses, b.losses, 1e-5, "loss (spmd_types vs dtensor)")
@@ -67,6 +70,35 @@ def test_the_typecheck_switch_runs_cp_steps_under_the_checker():
     run = run_titan(LAYOUTS["cp2"], steps=2, extra={"train.spmd_typecheck": True})
     assert "backend spmd_types" in run.proc.stdout, run.proc.stdout[-2000:]
     assert_close_per_step(run.losses, _run("cp2", "spmd_types").losses[:2], 1e-6, "loss (checker on vs off)")
+
+
+@pytest.fixture(scope="module")
+def dp2xcp2_checkpoints(tmp_path_factory):
+    """dp_shard 2 x cp 2 on each backend, checkpoints every 2 steps: tmp, {backend: (run dir, losses)}."""
+    tmp = tmp_path_factory.mktemp("cp-ckpt")
+    bases = {}
+    for backend in ("spmd_types", "dtensor"):
+        run = run_titan(dataclasses.replace(LAYOUTS["dp2xcp2"], backend=backend), run_dir=tmp / f"base-{backend}",
+                        train={"checkpoint_every": 2, "keep_checkpoints": 0})
+        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
+        bases[backend] = (run.run_dir, run.losses)
+    return tmp, bases
+
+
+@needs_spmd
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [("spmd_types", "dtensor"), ("dtensor", "spmd_types")])
+def test_cp_resumes_across_backends(dp2xcp2_checkpoints, saved, resumed):
+    """Parameters typed R over cp and FSDP-sharded over (dp_shard, cp) on spmd_types, sharded over the flat
+    dp_shard*cp on dtensor: one checkpoint (DCP, by FQN); the resumed run continues either one exactly."""
+    tmp, bases = dp2xcp2_checkpoints
+    run_dir, want = bases[saved]
+    run = run_titan(dataclasses.replace(LAYOUTS["dp2xcp2"], backend=resumed), run_dir=tmp / f"{saved}-to-{resumed}",
+                    args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
+    assert f"backend {resumed}" in run.proc.stdout and run.ranks[0]["first_step"] == 3, run.proc.stdout[-2000:]
+    assert_close_per_step(run.losses, want[2:], 1e-6, f"loss (saved on {saved}, resumed on {resumed})")
+    assert_close_per_step(run.losses, bases[resumed][1][2:], 1e-6, f"loss (vs an uninterrupted {resumed} run)")
 
 
 # --------------------------------------------------------------------------- the checker (one process, fake PG)
