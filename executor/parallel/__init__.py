@@ -9,7 +9,7 @@ to each pipeline stage, in this order:
 PP split, schedules        ``pipeline.py``
 TP / SP, loss parallel     ``tensor_parallel.py``
 TP / SP on spmd_types      ``spmd_tensor_parallel.py`` (tables), ``spmd_step.py`` (typed step)
-CP (ring attention)        ``context_parallel.py``, ``ring_attention.py``
+CP (ring attention)        ``context_parallel.py``, ``ring_attention.py``, ``spmd_context_parallel.py`` (typed, spmd_types)
 EP (all-to-all experts)    ``expert_parallel.py``, ``spmd_expert_parallel.py`` (typed, spmd_types)
 AC (full, selective)       ``activation_checkpoint.py``
 compile (per block)        ``compile.py``
