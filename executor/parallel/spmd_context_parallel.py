@@ -15,11 +15,12 @@ function declares its SPMD types (:class:`TypedRingAttentionFn`).  What each ten
   part of the SPMD mesh ``spmd_step.spmd_mesh`` and of its shard dims);
 * hidden states, q / k / v and the attention output: V (this rank's tokens);
 * the ring-attention region (:data:`RING_REGION`): q, k and v must be V on cp (the sequence
-  is cp-sharded; a forgotten ``cp_shard_batch`` gives R there and the checker refuses it) and
+  is cp-sharded: an input typed R there, the whole sequence on every cp rank, is refused) and
   have one type on every other axis (under TP: V on tp, this rank's heads); the output has q's
   types.  The ring's P2P sends and receives stay inside the region, outside the type system,
   as the pipeline's P2P does: the declaration is the region's contract, checked by
-  ``spmd_types`` at its boundary (``spmd_typecheck``);
+  ``spmd_types`` at its boundary (``spmd_typecheck``), and under the checker the region runs
+  in strict mode (:class:`TypedRingAttention`), so a ring function without one is named;
 * the loss: the mean over this rank's tokens, V; every cp rank has the same token count, so
   the global mean is the average over (dp, cp) ranks: it is declared a pending sum (V -> P) over
   cp as over the dp axes before ``backward()`` (``fsdp.spmd_loss``).  Without that declaration
