@@ -95,8 +95,11 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
     if plan.ep > 1 and plan.tp > 1 and plan.cp > 1:
         return "expert parallel with tensor and context parallel (ep, tp, cp > 1): no typed experts' mesh yet"
-    if plan.float8:
-        return "float8: float8 linears are not spmd_types-typed yet"
+    if plan.float8 and plan.tp > 1:
+        # data-parallel float8 runs on spmd_types (FSDP2 over the Float8Linear weights, the same steps as dtensor)
+        return ("float8 with tensor parallel (tp > 1): torchao's float8 TP exists only as DTensor styles "
+                "(Float8ColwiseParallel/Float8RowwiseParallel); on plain local shards its scales would come from "
+                "local amaxes, with no tp all-reduce of the amax")
     if plan.tp > 1 and spec is not None and (reason := spmd_tp_unsupported(spec)) is not None:
         return reason
     return None

@@ -3,12 +3,13 @@ data-parallel layouts (FSDP 2, HSDP 2 x 2) with per-block compile match one proc
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 
 from executor.parallel.fsdp import spmd_fsdp_supported
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, launch_worker
+from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, launch_worker, run_titan
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))]
@@ -54,3 +55,18 @@ def test_compiled_backends_match_each_other(layout):
     a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
     assert_close_per_step(a.losses, b.losses, 1e-5, "loss (spmd_types vs dtensor)")
     assert_close_per_step(a.grad_norms, b.grad_norms, 1e-5, "grad norm (spmd_types vs dtensor)")
+
+
+# --------------------------------------------------------------------------- float8 on the data-parallel layouts
+@pytest.mark.slow       # float8 matmuls are emulated on a CPU: minutes for 3 steps
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="float8 needs torchao (the float8 extra)")
+def test_fsdp_float8_runs_on_spmd_types_as_on_dtensor():
+    """FSDP 2 with torchao float8 linears: spmd_types (no note) takes the dtensor run's steps (measured: equal)."""
+    runs = {}
+    for backend in ("spmd_types", "dtensor"):
+        runs[backend] = run_titan(Plan(dp_shard=2, microbatch=2, float8=True, backend=backend), steps=3)
+        assert f"backend {backend}" in runs[backend].proc.stdout, runs[backend].proc.stdout[-2000:]
+        assert "note: backend" not in runs[backend].proc.stderr, runs[backend].proc.stderr[-2000:]
+    assert_close_per_step(runs["spmd_types"].losses, runs["dtensor"].losses, 1e-5, "loss (spmd_types vs dtensor)")
+    assert_close_per_step(runs["spmd_types"].grad_norms, runs["dtensor"].grad_norms, 1e-5,
+                          "grad norm (spmd_types vs dtensor)")

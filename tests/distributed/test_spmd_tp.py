@@ -147,7 +147,7 @@ class _Meshes:
 
 
 @pytest.mark.parametrize("plan, missing", [
-    (Plan(dp_shard=2, float8=True), "float8"),
+    (Plan(tp=2, float8=True), "float8 with tensor parallel"),
 ])
 def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missing, capsys):
     assert resolve_backend(plan, _Meshes(), announce=True) == "dtensor"
@@ -159,7 +159,7 @@ def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missin
 @needs_spmd
 def test_tp_and_fsdp_plans_get_spmd_types_silently(capsys):
     for plan in (Plan(tp=2), Plan(dp_shard=2, tp=2), Plan(dp_replicate=2, dp_shard=2),
-                 Plan(dp_shard=2, compile=True), Plan(dp_shard=2, tp=2, compile=True)):
+                 Plan(dp_shard=2, compile=True), Plan(dp_shard=2, tp=2, compile=True), Plan(dp_shard=2, float8=True)):
         assert resolve_backend(plan, _Meshes(), announce=True, spec=load_model("llama3-debug")) == "spmd_types"
     assert resolve_backend(Plan(tp=2, backend="dtensor"), _Meshes(), announce=True) == "dtensor"
     assert capsys.readouterr().err == ""
