@@ -5,7 +5,8 @@ starts a fake process group of the target world size (no communication, no
 accelerator), builds the model on the meta device and applies the plan's
 parallelisms exactly as a real run does (pipeline split, TP/SP, CP, AC,
 FSDP), on the backend a real run resolves (``resolve_backend``: ``spmd_types``
-unless the plan says ``dtensor`` or needs what only DTensor has; it prints which). For the ranks it inspects (by default the first rank of every
+unless the plan says ``dtensor`` or needs what only DTensor has; it prints
+which). For the ranks it inspects (by default the first rank of every
 pipeline stage, where memory differs) it reports the exact bytes of the
 parameters, gradients and AdamW states each rank holds, and -- with
 ``--memory`` -- a FakeTensor estimate of one training step's peak from
