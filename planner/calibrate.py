@@ -51,7 +51,7 @@ class Measurements:
 
 def load_measurements(storage: str, study_name: str | None, hardware: str | None = None) -> Measurements:
     import optuna                        # optional ('trials' extra), slow to import
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():
@@ -222,7 +222,7 @@ def plot(result: dict[str, Any], m: Measurements, path: str) -> None:
     try:
         import matplotlib                # optional ('plot' extra)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt   # matplotlib: optional ('plot' extra)
     except ImportError:
         raise PlanningError("--plot needs matplotlib: pip install 'titan-autoplan[plot]'") from None
     fig, axes = plt.subplots(1, 2, figsize=(11, 5), dpi=110)

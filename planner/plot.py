@@ -23,7 +23,7 @@ def pareto_plot(res: PlanningResult, path: str, *, title: str = "") -> dict:
     try:
         import matplotlib                # optional ('plot' extra)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt   # matplotlib: optional ('plot' extra)
     except ImportError:
         raise PlanningError("--plot needs matplotlib: pip install 'titan-autoplan[plot]'") from None
     est = res.est

@@ -109,7 +109,7 @@ def _native_constraints() -> bool:
 
 
 def open_study(settings: TrialSettings, attrs: dict[str, Any]):
-    import optuna
+    import optuna   # optuna: imported when used (slow to import; titan-plan's cold start)
     from sqlalchemy.exc import ArgumentError, OperationalError  # optuna's RDB storage is SQLAlchemy
 
     name = settings.study_name or "titan-" + "-".join(str(attrs[k]) for k in ("model", "hardware", "gpus"))
@@ -159,8 +159,8 @@ def _constraints(trial) -> tuple[float]:
 def run_trials(res: PlanningResult, *, plan_inputs: dict[str, Any], settings: TrialSettings,
                space_knobs: dict[str, tuple], log=print) -> list[TrialOutcome]:
     """Run (or resume) the study; returns every finished trial, best first."""
-    import optuna
-    from optuna.distributions import CategoricalDistribution
+    import optuna   # optuna: imported when used (slow to import; titan-plan's cold start)
+    from optuna.distributions import CategoricalDistribution   # optuna: imported when used (slow import)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     est = res.est
@@ -197,7 +197,7 @@ def _measured(t) -> bool:
 
 def _run_study(study, res, dists, layouts, ranked, base, plan_inputs, settings, log) -> None:
     """Ask, answer and measure until `settings.n_trials` points are measured (or the space is exhausted)."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     _resume_and_enqueue(study, res, layouts, ranked, settings)
     finished = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -241,7 +241,7 @@ def _run_study(study, res, dists, layouts, ranked, base, plan_inputs, settings, 
 def _resume_and_enqueue(study, res, layouts, ranked, settings) -> None:
     """Trials left RUNNING by a killed titan-plan (the study lock says none is running now) are marked failed
     and their points enqueued again; a new study gets the analytic ranking's distinct points first."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
@@ -263,7 +263,7 @@ def _resume_and_enqueue(study, res, layouts, ranked, settings) -> None:
 
 def _answer_from(study, trial, twin) -> None:
     """A duplicate proposal: the answer of the finished trial `twin`, no run, no budget."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     for k, v in twin.user_attrs.items():
         trial.set_user_attr(k, v)
@@ -276,7 +276,7 @@ def _answer_from(study, trial, twin) -> None:
 
 
 def _refuse_illegal(study, trial, e: PlanError) -> None:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     trial.set_user_attr("status", "illegal")
     trial.set_user_attr("reason", str(e))
@@ -319,7 +319,7 @@ def _measure(study, trial, plan: Plan, res, plan_inputs, settings, log, *, label
 def record_result(study, trial, s: dict[str, Any], *, capacity_bytes: float, wall_s: float, run_dir: Path,
                   log=print) -> None:
     """Store one trial's summary on the Optuna trial and finish it (value = measured tokens/s)."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     status = s.get("status", "error")
     trial.set_user_attr("status", status)
@@ -348,7 +348,7 @@ def record_result(study, trial, s: dict[str, Any], *, capacity_bytes: float, wal
 
 
 def outcomes(study) -> list[TrialOutcome]:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState   # optuna: imported when used (slow to import; titan-plan's cold start)
 
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
