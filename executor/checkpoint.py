@@ -188,8 +188,9 @@ class Checkpointer:
         dt = time.perf_counter() - t0
         self.events.append({"event": "load", "step": step, "path": str(path), "seconds": dt})
         if self.rank == 0:
-            log(f"resumed from {path} (step {step}, saved by plan {meta.get('plan_describe', '?')} on world "
-                f"{meta.get('world_size')}) in {dt:.2f} s")
+            origin = (f"saved by plan {meta['plan_describe']} on world {meta.get('world_size')}"
+                      if "plan_describe" in meta else f"weights imported from {meta.get('source', '?')}")
+            log(f"resumed from {path} (step {step}, {origin}) in {dt:.2f} s")
         return step
 
     # ---- save
