@@ -49,8 +49,8 @@ def test_fsdp_x_tp_2x2():
 
 @pytest.mark.slow
 def test_fsdp_x_tp_2x2_compiled():
-    # compile + TP: the embedding is not TP-sharded (a TP-sharded one trains silently
-    # wrong with compiled blocks + FSDP); this proves the compiled run is exact
+    # compile + TP on the default backend (spmd_types: the vocab-parallel embedding is exact under
+    # compile, docs/torch_on_cpu.md 8e); the dtensor backend keeps its embedding unsharded (8c)
     matches_single_process(Plan(dp_shard=2, tp=2, microbatch=2, compile=True))
 
 
