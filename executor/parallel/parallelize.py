@@ -108,13 +108,13 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
 def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | None = None) -> str:
     """The backend a run uses for the plan's ``backend`` knob.
 
-    ``spmd_types`` (the default) runs data-parallel layouts (FSDP/HSDP) and tensor
-    parallel (TP/SP, alone or with FSDP/HSDP) on dense models, eager or with per-block
-    compile (erasure mode: the typed collectives run as eager islands between the compiled
-    regions): typed local parameters, explicit typed collectives (``fsdp.py``,
-    ``spmd_tensor_parallel.py``, ``spmd_step.py``).  Elsewhere the run uses ``dtensor``, announced in ONE line
-    (with `announce`) naming the missing piece: the torch version when this torch has no
-    spmd_types FSDP2 (torch < 2.14), else what the plan needs that the spmd path lacks.
+    ``spmd_types`` (the default) runs every axis -- FSDP/HSDP, TP/SP (dense and MoE blocks), CP,
+    EP and PP -- eager or with per-block compile (erasure mode: the typed collectives run as
+    eager islands between the compiled regions): typed local parameters, explicit typed
+    collectives (``fsdp.py``, ``spmd_*.py``).  Elsewhere (:func:`spmd_plan_unsupported`) the run
+    uses ``dtensor``, announced in ONE line (with `announce`) naming the missing piece: the torch
+    version when this torch has no spmd_types FSDP2 (torch < 2.14), else what the plan needs that
+    the spmd path lacks.
     """
     if plan.backend == "dtensor":
         return "dtensor"
