@@ -22,10 +22,11 @@
   so its hooks stay outside the compiled region.
 
 ``backend``: ``dtensor`` uses DTensor TP and mesh-based FSDP2; ``spmd_types``
-(the default) uses local-SPMD TP/SP (``spmd_tensor_parallel.py``: plain local
-parameters typed per axis, typed collectives at module boundaries) and FSDP2 over
-the typed parameters, and falls back to ``dtensor`` with one line naming the
-missing piece elsewhere (:func:`resolve_backend`).
+(the default) uses local SPMD on every axis (``spmd_tensor_parallel.py``,
+``spmd_context_parallel.py``, ``spmd_expert_parallel.py``, ``spmd_pipeline.py``:
+plain local parameters typed per axis, typed collectives at module boundaries)
+and FSDP2 over the typed parameters, and falls back to ``dtensor`` with one line
+naming the missing piece where it cannot run a plan (:func:`resolve_backend`).
 """
 from __future__ import annotations
 
