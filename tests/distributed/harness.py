@@ -185,6 +185,21 @@ def assert_close_per_step(got: list[float], want: list[float], rtol: float = 1e-
             f"step {i + 1}: {what} {g!r} vs reference {w!r} (rel {abs(g - w) / abs(w):.2e})"
 
 
+_BACKEND_RUNS: dict = {}
+
+
+def run_on_its_backend(plan: Plan, **kwargs) -> TitanRun:
+    """`assert_matches_single_process(plan, **kwargs)`, also asserting the run used ``plan.backend`` with no
+    fallback note; cached for the session per (plan, kwargs), so a comparison of two backends reuses the runs."""
+    key = (plan, tuple(sorted(kwargs.items())))
+    if key not in _BACKEND_RUNS:
+        run, _ = assert_matches_single_process(plan, **kwargs)
+        assert f"backend {plan.backend}" in run.proc.stdout, run.proc.stdout[-2000:]
+        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
+        _BACKEND_RUNS[key] = run
+    return _BACKEND_RUNS[key]
+
+
 def assert_matches_single_process(plan: Plan, *, model: str | None = None, grad_norms: bool = True,
                                   steps: int = DEFAULT_STEPS, rtol: float = 1e-4, nproc: int | None = None,
                                   seq_len: int = DEFAULT_SEQ_LEN, global_batch: int | None = None,

@@ -25,7 +25,7 @@ from executor.parallel.parallelize import Precision, build_model_parts, resolve_
 from executor.parallel.ring_attention import _RingAttentionFn
 from executor.parallel.spmd_context_parallel import TypedRingAttention, TypedRingAttentionFn, apply_spmd_cp
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
+from tests.distributed.harness import assert_close_per_step, run_on_its_backend, run_titan
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"cp2": Plan(cp=2, microbatch=4), "dp2xcp2": Plan(dp_shard=2, cp=2, microbatch=2),
@@ -33,18 +33,10 @@ LAYOUTS = {"cp2": Plan(cp=2, microbatch=4), "dp2xcp2": Plan(dp_shard=2, cp=2, mi
            "dp2xcp2xtp2": Plan(dp_shard=2, cp=2, tp=2, microbatch=2)}
 SLOW = {"hsdp2xcp2", "dp2xcp2xtp2"}
 PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in LAYOUTS]
-_RUNS: dict = {}
 
 
 def _run(layout: str, backend: str):
-    key = (layout, backend)
-    if key not in _RUNS:
-        plan = dataclasses.replace(LAYOUTS[layout], backend=backend)
-        run, _ = assert_matches_single_process(plan)
-        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
-        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
-        _RUNS[key] = run
-    return _RUNS[key]
+    return run_on_its_backend(dataclasses.replace(LAYOUTS[layout], backend=backend))
 
 
 @needs_spmd

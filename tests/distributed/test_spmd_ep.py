@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
+from tests.distributed.harness import assert_close_per_step, run_on_its_backend, run_titan
 from tests.distributed.test_moe_parity import GLOBAL_BATCH, SEQ_LEN, moe_spec_file
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
@@ -39,7 +39,6 @@ LAYOUTS = {"dp2xep2": Plan(dp_shard=2, ep=2, microbatch=2),
            "dp2xtp2xep2": Plan(dp_shard=2, tp=2, ep=2, microbatch=2),
            "pp2xdp2xep2": Plan(pp=2, dp_shard=2, ep=2, microbatch=1, n_microbatches=2)}
 SLOW = {"dp4xep2", "hsdp2xep2", "dp2xtp2xep2", "pp2xdp2xep2"}          # four processes
-_RUNS: dict = {}
 
 
 def _layouts():
@@ -47,15 +46,8 @@ def _layouts():
 
 
 def _run(layout: str, backend: str):
-    key = (layout, backend)
-    if key not in _RUNS:
-        plan = dataclasses.replace(LAYOUTS[layout], backend=backend)
-        run, _ = assert_matches_single_process(plan, model=moe_spec_file(), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
-                                               reference_learns_by=1.0)
-        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
-        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
-        _RUNS[key] = run
-    return _RUNS[key]
+    return run_on_its_backend(dataclasses.replace(LAYOUTS[layout], backend=backend), model=moe_spec_file(),
+                              seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, reference_learns_by=1.0)
 
 
 @needs_spmd

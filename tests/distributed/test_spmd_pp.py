@@ -27,7 +27,7 @@ from executor.parallel.spmd_pipeline import TypedMicroBatchLoss, check_loss_type
 from executor.parallel.spmd_step import loss_dp_mesh, spmd_mesh
 from executor.parallel.tensor_parallel import cross_entropy
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
+from tests.distributed.harness import assert_close_per_step, run_on_its_backend, run_titan
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
@@ -37,7 +37,6 @@ CASES = [(layout, schedule) for layout in ("pp2xdp2", "pp2xtp2") for schedule in
     [("pp2xcp2", "1F1B"), ("pp2xcp2", "ZBVZeroBubble")]
 # one case per layout stays out of `slow` (a run takes ~35 s with the 4 ranks on 2 busy cores; the rest are slow)
 FAST = {("pp2xtp2", "1F1B"), ("pp2xdp2", "Interleaved1F1B")}
-_RUNS: dict = {}
 
 
 def _plan(layout: str, schedule: str, backend: str) -> Plan:
@@ -50,13 +49,7 @@ def _plan(layout: str, schedule: str, backend: str) -> Plan:
 
 
 def _run(layout: str, schedule: str, backend: str):
-    key = (layout, schedule, backend)
-    if key not in _RUNS:
-        run, _ = assert_matches_single_process(_plan(layout, schedule, backend))
-        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
-        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
-        _RUNS[key] = run
-    return _RUNS[key]
+    return run_on_its_backend(_plan(layout, schedule, backend))
 
 
 def _cases(*extra):

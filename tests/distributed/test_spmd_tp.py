@@ -28,25 +28,17 @@ from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts, resolve_backend, spmd_plan_unsupported
 from executor.parallel.spmd_tensor_parallel import BLOCK_SHARDING, BOUNDARY_OPS
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, run_titan
+from tests.distributed.harness import assert_close_per_step, run_on_its_backend, run_titan
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
            "hsdp2xtp2": Plan(dp_replicate=2, tp=2, microbatch=2),
            "tp2_compile": Plan(tp=2, microbatch=4, compile=True),
            "dp2xtp2_compile": Plan(dp_shard=2, tp=2, microbatch=2, compile=True)}
-_RUNS: dict = {}
 
 
 def _run(layout: str, backend: str):
-    key = (layout, backend)
-    if key not in _RUNS:
-        plan = dataclasses.replace(LAYOUTS[layout], backend=backend)
-        run, _ = assert_matches_single_process(plan)
-        assert f"backend {backend}" in run.proc.stdout, run.proc.stdout[-2000:]
-        assert "note: backend" not in run.proc.stderr, run.proc.stderr[-2000:]
-        _RUNS[key] = run
-    return _RUNS[key]
+    return run_on_its_backend(dataclasses.replace(LAYOUTS[layout], backend=backend))
 
 
 @needs_spmd
