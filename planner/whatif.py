@@ -69,17 +69,17 @@ def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str 
                           where=where) for s in settings]
 
 
-def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs) -> tuple[Plan, Estimates, str | None]:
-    """Estimate `plans` (from :func:`ac_variants`) and keep the one :func:`choose_ac` picks: (plan, its
-    one-row estimate, the one-line note saying what was chosen, or None when there was one plan)."""
+def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs) -> tuple[Plan, Estimates, int, str | None]:
+    """Estimate `plans` (from :func:`ac_variants`) at once and keep the one :func:`choose_ac` picks: (plan,
+    the estimate of all `plans`, the picked row, the one-line note saying what was chosen, or None when
+    there was one plan)."""
     est = estimate(CandidateTable.from_plans(plans), model, hw, workload, coeffs)
     if len(plans) == 1:
-        return plans[0], est, None
+        return plans[0], est, 0, None
     i = choose_ac(plans, est)
     peaks = ", ".join(f"{p.ac} {est.peak_memory_bytes[j] / GIB:.1f} GiB" for j, p in enumerate(plans))
     why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
-    note = f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
-    return plans[i], estimate(CandidateTable.from_plans([plans[i]]), model, hw, workload, coeffs), note
+    return plans[i], est, i, f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
 
 
 def cmd_estimate(args) -> int:
@@ -101,16 +101,16 @@ def cmd_estimate(args) -> int:
     not_runnable = [m for r, m in problems if r == C.R_MICRO]
     note = (f"titan-run cannot run this schedule ({not_runnable[0]}); the figures are a what-if"
             if not_runnable else None)
-    plan, est, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
+    plan, est, row, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,
-                          "note": note, "ac_note": ac_note, "predicted": report.predicted(est, 0)}, indent=2))
+                          "note": note, "ac_note": ac_note, "predicted": report.predicted(est, row)}, indent=2))
         return 0
     print(f"{model.name} on {gpus} x {hw.name}: {plan.layout_str()}  {plan.knobs_str()}")
     print(q.workload_line())
     for line in (ac_note, note):
         if line:
             print(f"note: {line}")
-    print(report.format_breakdown(est, 0))
+    print(report.format_breakdown(est, row))
     return 0
