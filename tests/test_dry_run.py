@@ -238,10 +238,10 @@ def test_dry_run_step_peak_on_spmd_types_matches_dtensor(tmp_path):
     assert totals["spmd_types"] == pytest.approx(totals["dtensor"], rel=0.1), totals
 
 
-def test_dry_run_of_a_plan_the_spmd_path_cannot_run_names_it(tmp_path):
-    """MLA under TP has no spmd_types table: the dry run applies dtensor, as a real run would, with its one line."""
+def test_dry_run_of_mla_under_tp_applies_spmd_types(tmp_path):
+    """MLA under TP has its spmd_types table (spmd_tensor_parallel.MLA_ATTENTION_SHARDING): the dry run applies
+    spmd_types, as a real run does, with no fallback note."""
     r = dry_run(tmp_path, "deepseek-debug", Plan(tp=2, microbatch=2), 256, 2)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1])["backend"] == "dtensor"
-    notes = [ln for ln in r.stderr.splitlines() if "note: backend dtensor instead of spmd_types" in ln]
-    assert len(notes) == 1 and "MLA" in notes[0], r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["backend"] == "spmd_types"
+    assert "note: backend" not in r.stderr, r.stderr

@@ -32,8 +32,15 @@ are then DTensors on that mesh (``_StridedShard`` / ``Shard`` / ``Replicate``
 from the annotations), so initialization, the grad-norm clip and checkpoints see
 the same placements as on the DTensor backend.
 
-Covered: dense GQA blocks (Llama) and MoE blocks (:data:`MOE_BLOCK_SHARDING`).  MLA blocks are
-not typed yet (:func:`spmd_tp_unsupported` says so and the run uses ``dtensor``).
+Covered: dense GQA blocks (Llama), MoE blocks (:data:`MOE_BLOCK_SHARDING`) and multi-head latent
+attention (``attention: mla``, ``models/mla.py``; :data:`MLA_ATTENTION_SHARDING`), sharded by heads
+as the dtensor path does (``tensor_parallel.attention_plan``): the up-projections ``wq`` / ``wq_b``
+and ``wkv_b`` column-wise (V: this rank's heads), ``wo`` row-wise with the SP reduce-scatter.  The
+low-rank down-projections ``wq_a`` / ``wkv_a`` and the latent norms ``q_norm`` / ``kv_norm`` hold no
+head dimension: their weights are R and they run on the all-gathered (R) sequence, so their outputs
+are R -- the rotary key ``k_pe`` that ``wkv_a`` makes is one R tensor shared by the local heads
+(R joins V: V).  Each tp rank back-propagates through its own heads only, so their gradients are
+pending sums (R's backward type is P), reduced like the norms'.
 """
 from __future__ import annotations
 
@@ -99,6 +106,22 @@ BLOCK_SHARDING: dict[str, ModuleSharding] = {
     "feed_forward.w2": _ROW_SP,
 }
 
+# multi-head latent attention (models/mla.py), replacing the "attention*" rows of a block's table: the
+# up-projections by heads (S(0)), the down-projections and latent norms R (on the gathered sequence, so
+# their outputs -- the latents and the shared rotary key -- are R), wo row-wise with the SP reduce-scatter
+_REPLICATED = ModuleSharding(params={"weight": REPLICATE})
+MLA_ATTENTION_SHARDING: dict[str, ModuleSharding] = {
+    "attention": ModuleSharding(input=ALL_GATHER),
+    "attention.wq": _COL,               # q_lora_rank 0: queries straight from x
+    "attention.wq_a": _REPLICATED,
+    "attention.q_norm": _REPLICATED,
+    "attention.wq_b": _COL,
+    "attention.wkv_a": _REPLICATED,     # latent + k_pe (one rotary key for all heads)
+    "attention.kv_norm": _REPLICATED,
+    "attention.wkv_b": _COL,            # per head: [k_nope, v]
+    "attention.wo": _ROW_SP,
+}
+
 # module path relative to the model root -> sharding
 ROOT_SHARDING: dict[str, ModuleSharding] = {
     "tok_embeddings": ModuleSharding(params={"weight": COLWISE}, vocab_parallel=True, partial_output=True,
@@ -116,9 +139,18 @@ MOE_BLOCK_SHARDING: dict[str, ModuleSharding] = {k: v for k, v in BLOCK_SHARDING
 
 def spmd_tp_unsupported(spec) -> str | None:
     """None if the spmd TP tables cover every block of `spec`, else what is missing."""
-    if getattr(spec, "attention", "gqa") == "mla":
-        return "MLA attention has no spmd_types TP sharding table yet"
+    if getattr(spec, "attention", "gqa") not in ("gqa", "mla"):
+        return f"attention {spec.attention!r} has no spmd_types TP sharding table (tables: gqa, mla)"
     return None
+
+
+def _block_table(block: nn.Module) -> dict[str, ModuleSharding]:
+    """The sharding table of one transformer block: dense or MoE, with GQA or MLA attention."""
+    table = MOE_BLOCK_SHARDING if getattr(block, "moe_enabled", False) else BLOCK_SHARDING
+    if hasattr(block.attention, "wkv_a"):        # MLA (models/mla.py)
+        table = {**{k: v for k, v in table.items() if not k.startswith("attention.") and k != "attention"},
+                 **MLA_ATTENTION_SHARDING}
+    return table
 
 
 class _TP:
@@ -232,8 +264,7 @@ def apply_spmd_tp(model: nn.Module, tp_mesh: DeviceMesh, *, block_sharding: dict
     done: dict = {}
     _apply_table(model, ROOT_SHARDING if root_sharding is None else root_sharding, tp, done)
     for block in model.layers.values():
-        default = MOE_BLOCK_SHARDING if getattr(block, "moe_enabled", False) else BLOCK_SHARDING
-        _apply_table(block, default if block_sharding is None else block_sharding, tp, done)
+        _apply_table(block, _block_table(block) if block_sharding is None else block_sharding, tp, done)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh,
@@ -262,5 +293,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_
     return (sum_exp.log() - picked).mean()
 
 
-__all__ = ["BLOCK_SHARDING", "BOUNDARY_OPS", "ModuleSharding", "ROOT_SHARDING", "apply_spmd_tp", "spmd_tp_unsupported",
+__all__ = ["BLOCK_SHARDING", "BOUNDARY_OPS", "MLA_ATTENTION_SHARDING", "MOE_BLOCK_SHARDING", "ModuleSharding",
+           "ROOT_SHARDING", "apply_spmd_tp", "spmd_tp_unsupported",
            "vocab_parallel_cross_entropy"]
