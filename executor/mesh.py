@@ -20,6 +20,9 @@ Expert parallelism (no axis of its own: carved out of dp_shard x cp, see
 * ``efsdp``       = the ranks that FSDP-shard the same experts
 * ``expert_fsdp`` = ``efsdp`` (1-D), or the 2-D (dp_replicate, efsdp) mesh
                     (HSDP) when dp_replicate > 1
+* ``expert_spmd`` = the mesh the spmd_types backend types the experts on:
+                    ``(dp_replicate,) efsdp, ep``, with ``tp`` innermost under
+                    tensor parallel (with or without cp; ep never takes tp ranks)
 """
 from __future__ import annotations
 
@@ -94,7 +97,7 @@ class Meshes:
     ep: DeviceMesh | None = None           # expert parallel (None when plan.ep == 1)
     efsdp: DeviceMesh | None = None        # FSDP ranks of one expert shard (1-D)
     expert_fsdp: DeviceMesh | None = None  # the mesh experts are fully_shard-ed on (2-D with HSDP)
-    expert_spmd: DeviceMesh | None = None  # (dp_replicate,) efsdp, ep: the spmd_types experts' mesh
+    expert_spmd: DeviceMesh | None = None  # (dp_replicate,) efsdp, ep (, tp): the spmd_types experts' mesh
 
     def axis(self, name: str) -> DeviceMesh:
         return getattr(self, name)
@@ -149,11 +152,11 @@ def build_meshes(plan: Plan, dev_type: str) -> Meshes:
 
 
 def _expert_meshes(world: DeviceMesh, dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh, plan: Plan
-                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh | None]:
+                   ) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh]:
     """(ep, efsdp, expert_fsdp, expert_spmd): dp_shard_cp unflattened into (efsdp, ep); with HSDP the
     experts' FSDP mesh is (dp_replicate, efsdp), from dp_cp unflattened into (dp_replicate, efsdp, ep).
     expert_spmd is the whole unflattened mesh (the spmd_types backend types the experts on it), with
-    ``tp`` under tensor parallel (None with tp and cp: not built, the plan runs on dtensor)."""
+    ``tp`` innermost under tensor parallel (:func:`_expert_tp_mesh`, also with cp)."""
     if not hasattr(dp_shard_cp, "_unflatten"):
         raise ValueError(f"plan key 'ep' > 1 needs DeviceMesh._unflatten, which torch {torch.__version__} "
                          "does not have (use torch >= 2.9)")
@@ -166,10 +169,25 @@ def _expert_meshes(world: DeviceMesh, dp_shard_cp: DeviceMesh, dp_cp: DeviceMesh
                                 ("dp_replicate", "efsdp", "ep"))
         expert_fsdp, expert_spmd = full["dp_replicate", "efsdp"], full
     if plan.tp > 1:
-        names = ("dp_replicate",) * (plan.dp_replicate > 1) + ("dp_shard", "tp")
-        expert_spmd = None if plan.cp > 1 else world[names]._unflatten(
-            names.index("dp_shard"), (plan.expert_fsdp_size, plan.ep), ("efsdp", "ep"))
+        expert_spmd = _expert_tp_mesh(world, plan)
     return ep, efsdp, expert_fsdp, expert_spmd
+
+
+def _expert_tp_mesh(world: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """The spmd_types experts' mesh under tensor parallel: ``(dp_replicate,) efsdp, ep, tp``.
+
+    ep is carved out of dp_shard x cp (never out of tp: the MoE layers run on the sequence-parallel
+    local tokens, their experts R on tp), so the data-parallel axes ``(dp_replicate,) dp_shard, cp``
+    are regrouped into ``(dp_replicate,) efsdp, ep`` with tp kept innermost.  DeviceMesh unflattens one
+    dim at a time and slicing a flattened dim off the root mesh is deprecated, so the whole
+    ``(dp_replicate,) dp_shard, cp, tp`` block is flattened (row-major: tp fastest, then cp, dp_shard)
+    and unflattened into the experts' axes, in the same order: efsdp x ep spans exactly the ranks of
+    one dp_shard x cp group (as ``dp_shard_cp._unflatten`` does for ``Meshes.ep``), at every tp rank."""
+    hsdp = plan.dp_replicate > 1
+    dense = ("dp_replicate",) * hsdp + ("dp_shard", "cp", "tp")
+    sizes = (plan.dp_replicate,) * hsdp + (plan.expert_fsdp_size, plan.ep, plan.tp)
+    names = ("dp_replicate",) * hsdp + ("efsdp", "ep", "tp")
+    return world[dense]._flatten("_".join(dense))._unflatten(0, sizes, names)
 
 
 def _hsdp_mesh(world: DeviceMesh, dp_cp: DeviceMesh, plan: Plan) -> DeviceMesh:

@@ -94,8 +94,6 @@ def apply_float8(module: nn.Module) -> None:
 
 def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
-    if plan.ep > 1 and plan.tp > 1 and plan.cp > 1:
-        return "expert parallel with tensor and context parallel (ep, tp, cp > 1): no typed experts' mesh yet"
     if plan.float8 and plan.tp > 1:
         # data-parallel float8 runs on spmd_types (FSDP2 over the Float8Linear weights, the same steps as dtensor)
         return ("float8 with tensor parallel (tp > 1): torchao's float8 TP exists only as DTensor styles "

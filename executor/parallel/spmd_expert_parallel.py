@@ -5,17 +5,19 @@ exchange, uneven all-to-all, local grouped SwiGLU, inverse all-to-all), with the
 backend pieces typed instead of DTensor:
 
 * the expert weights are plain local tensors, this rank's E/ep experts, typed on the
-  experts' mesh ``(dp_replicate,) efsdp, ep`` (``Meshes.expert_spmd``): S(0) on ``ep``
+  experts' mesh ``(dp_replicate,) efsdp, ep (, tp)`` (``Meshes.expert_spmd``): S(0) on ``ep``
   (each ep rank holds other experts, so their gradients are never summed over ep) and
-  R on the FSDP axes.  FSDP2 stores them over that mesh
-  (``fsdp.apply_fsdp_spmd(expert_mesh=...)``: shard ``efsdp``, replicate
+  R on the FSDP axes and on ``tp`` (under TP the MoE layers run on the sequence-parallel
+  local tokens; their tp gradients are pending sums, reduced like the norms').  FSDP2
+  stores them over that mesh (``fsdp.apply_fsdp_spmd(expert_mesh=...)``: shard ``efsdp``, replicate
   ``dp_replicate``); R forward means a pending-sum (P) gradient there, which FSDP
   reduces with the divide factor of all data-parallel ranks (the all-to-all backward
   has already summed each expert's gradient over the ep ranks' tokens);
-* the tokens and their counts cross from the dense mesh (``dp_replicate, dp_shard``,
+* the tokens and their counts cross from the dense mesh (``dp_replicate, dp_shard, cp``,
   Varying) to the experts' mesh at the dispatch, and the experts' outputs cross back at
   the combine: ``spmd.reinterpret_mesh``, a relabelling with no data movement that the
-  checker verifies (``dp_shard`` spans the same ranks as ``efsdp x ep``).  Tokens that
+  checker verifies (``dp_shard x cp`` spans the same ranks as ``efsdp x ep``; ``tp``, when
+  there, is kept on both sides).  Tokens that
   skipped the dispatch are still on the dense mesh, and the checker rejects them where
   they meet the experts' data;
 * the counts exchange is ``spmd.all_to_all`` V -> V (stack semantics: row r of the

@@ -109,14 +109,6 @@ def test_ep_plans_get_spmd_types_silently(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_ep_with_tp_and_cp_gets_dtensor_with_one_line(capsys):
-    plan = Plan(dp_shard=1, cp=2, tp=2, ep=2)
-    assert resolve_backend(plan, _Meshes(), announce=True) == "dtensor"
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: "), err
-    assert "expert parallel with tensor and context parallel" in err[0], err
-
-
 # --------------------------------------------------------------------------- the checker names a missing dispatch
 def _free_port() -> int:
     with socket.socket() as s:
