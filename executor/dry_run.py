@@ -12,7 +12,7 @@ parameters, gradients and AdamW states each rank holds, and -- with
 ``--memory`` -- a FakeTensor estimate of one training step's peak from
 torch's FSDP-aware memory tracker (activations, temporaries, FSDP buffers)
 for every layout, pipelined (the rank's torch schedule order replayed
-locally) and context-parallel ones included: see ``dry_run_step.py``.
+locally), context-parallel and MoE ones (routed balanced) included: see ``dry_run_step.py``.
 The compute dtype is ``train.dtype`` if set, else the workload's (default bf16).
 A layout the executor cannot apply fails here, before any cluster time is
 spent. The JSON it prints (``--json``) is what the planner reads.

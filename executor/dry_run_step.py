@@ -37,6 +37,10 @@ What is modelled, by layout:
   ones) but still allocates every receive buffer and the fp32 out/LSE/dK/dV
   accumulators, so the estimate covers the ring's buffers with the local shard
   shapes (sequence ``seq/cp``, head-tail positions of this CP rank).
+* MoE: the routing is balanced (each expert gets ``tokens * top_k / E``, the
+  analytic model's assumption) and the integers that size the experts' buffers
+  and the expert-parallel all-to-all carry real values through the fake step
+  (``dry_run_routing.py``); the rest of the MoE code runs as in a real step.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ import spmd_types as spmd
 from cost_models.memory import in_flight_microbatches
 from search_spaces.table import CandidateTable
 
+from .dry_run_routing import balanced_routing
 from .parallel.context_parallel import head_tail_indices
 from .parallel.pipeline import build_schedule
 from .parallel.spmd_step import spmd_mesh
@@ -262,7 +267,8 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
     loss_fn, loss_ctx = _step_loss(plan, meshes, backend)
     hidden_shape = (plan.microbatch, seq_local // plan.tp if plan.tp > 1 else seq_local, cfg.spec.dim)
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _own_propagation_mode():
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, _own_propagation_mode(), balanced_routing(stages, fake_mode) as routing:
         for _, m in stages:
             m.to_empty(device="cpu")
         schedule = None

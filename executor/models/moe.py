@@ -66,7 +66,7 @@ class Router(nn.Module):
         if self.route_norm and self.top_k > 1:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * self.route_scale
-        counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
+        counts = tokens_per_expert(idx.flatten(), self.n_experts)
         self.tokens_per_expert = counts.detach()
         # Switch-Transformer load-balancing loss: E * sum_i f_i * P_i
         f = counts.to(scores.dtype) / idx.numel()
@@ -90,6 +90,13 @@ class AuxLossGrad(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         shape, dtype, device = ctx.aux_meta
         return grad_out, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def tokens_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[E] int64 tokens routed to each expert, from the flat expert ids: a scatter-add of ones, whose
+    output shape is [E] whatever the ids (``bincount``'s depends on their values: FakeTensor refuses it)."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=expert_ids.device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids))
 
 
 def in_backward() -> bool:
@@ -176,7 +183,7 @@ class MoEFeedForward(nn.Module):
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)                # sort (token, slot) pairs by expert
         token_of = order // idx.shape[1]
-        counts = torch.bincount(flat, minlength=self.router.n_experts)
+        counts = tokens_per_expert(flat, self.router.n_experts)
         routed = self.experts(x[token_of], counts)              # [T*k, dim], sorted by expert
         routed = routed * weights.flatten()[order].unsqueeze(-1)
         out = torch.zeros_like(x).index_add_(0, token_of, routed.to(x.dtype))
