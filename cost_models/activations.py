@@ -34,24 +34,27 @@ N_TERMS = 6
 
 def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
                            f8_fraction: float = 1.0) -> np.ndarray:
-    """Bytes one block keeps for backward, per token, split into the five terms above.
+    """Bytes one block keeps for backward, per token, split into the terms above.
 
     Source: Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and Table 2, per layer
     sbh(34 + 5as/h) for GPT with dropout and materialized attention:
       attention 11sbh + 5as^2b: QKV input 2, Q and K 4, V 2, out-proj input 2, dropout mask 1,
       softmax output 2as, dropout mask as, dropout output 2as;  MLP 19sbh: fc1 input 2,
       GeLU input 8, GeLU output 8, dropout mask 1;  LayerNorms 4sbh.
-    Adapted here: GQA/MLA widths from `attention_dims`; SwiGLU keeps gate and up outputs
-    (eager autograd also keeps silu(gate) and the product: 4 tensors of width ffn_hidden,
-    a fused/compiled SwiGLU 2); fused (flash/SDPA) attention keeps no s x s scores but its
-    output O and the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan
-    RMSNorm upcasts to fp32 and keeps the fp32 input plus the bf16 normalized output
-    (3x the bf16 width), a fused norm keeps its input; MoE blocks keep the top_k
-    dispatched copies of the token, each expert's hidden and output.
+    Adapted here: GQA/MLA widths from `attention_dims` (MLA also keeps its two normalized low-rank
+    latents, the up projections' inputs); SwiGLU keeps gate and up outputs (eager autograd also
+    keeps silu(gate) and the product: 4 tensors of width ffn_hidden; a compiled SwiGLU 2, the
+    partitioner recomputing the product; Megatron's fused bias-SwiGLU 3: its input and the down
+    projection's input); fused (flash/SDPA) attention keeps no s x s scores but its output O and
+    the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan RMSNorm upcasts to fp32
+    and keeps the fp32 input plus the bf16 normalized output (3x the bf16 width), a fused norm
+    keeps its input; MoE blocks keep the top_k dispatched copies of the token, each expert's
+    hidden and output.
     Selective: 'attention' (Megatron, Korthikanti Sec. 4.3) drops the attention core's
     tensors (scores, or O and the LSE); 'op' (TorchTitan) keeps the block input, the
     1st/3rd/5th/... matmul outputs in forward order and the attention outputs; 'matmul'
-    (this executor) keeps the block input, every matmul, attention and collective output.
+    (this executor) keeps the block input, every matmul, attention and collective output;
+    'modules' drops what each of Megatron's `recompute_modules` recomputes (`_module_drops`).
     Full keeps the block input (Korthikanti Table 2: 2sbh).
     """
     if ac == "full":
@@ -60,8 +63,12 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
         return t
     if ac == "selective" and workload.selective_ac in ("op", "matmul"):
         return _selective_kept_terms(model, workload, moe, f8_fraction)
-    # no recomputation (or the attention-core policy, which only removes the core's tensors)
-    return _stored_terms(model, workload, moe, ac == "selective", compiled, f8_fraction)
+    # no recomputation, the attention-core policy (which only removes the core's tensors) or modules
+    core_dropped = ac == "selective" and (workload.selective_ac == "attention" or workload.recomputes("core_attn"))
+    t = _stored_terms(model, workload, moe, core_dropped, compiled, f8_fraction)
+    if ac == "selective" and workload.selective_ac == "modules":
+        t = t - _module_drops(model, workload, moe, compiled, f8_fraction)
+    return t
 
 
 def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
@@ -71,8 +78,8 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
     h = model.dim
     d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
     fused = workload.attention_impl == "fused"
-    dtensor = workload.state_layout == "fsdp2"
-    row_out = FULL if dtensor else SEQ                # a row-parallel matmul's output
+    gathered = workload.tp_keeps_gathered
+    row_out = FULL if gathered else SEQ               # a row-parallel matmul's output
     t = np.zeros(N_TERMS)
     every = workload.selective_ac == "matmul"
     t[SEQ] = e * h                                    # block input
@@ -84,8 +91,8 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
     if fused:
         t[SHARD] += e * d_o + 4.0 * model.n_heads
     if every:                                         # all-gathered QKV and FFN inputs (tp > 1)
-        t[FULL_TP] += 2 * e * h
-    if dtensor:   # the wo and w2 reduce-scatter outputs (tp > 1; TorchTitan's op list saves them too)
+        t[FULL_TP if gathered else SEQ] += 2 * e * h
+    if gathered:  # the wo and w2 reduce-scatter outputs (tp > 1; TorchTitan's op list saves them too)
         t[SEQ_TP] += 2 * e * h
     return t
 
@@ -99,27 +106,22 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     d_qk, d_k, d_v = attention_dims(model)
     d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
     fused = workload.attention_impl == "fused"
-    dtensor = workload.state_layout == "fsdp2"
     lin = e * f8_fraction                            # a saved linear input
     drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
     t = np.zeros(N_TERMS)
-    col_in = FULL if dtensor else SEQ                 # where a column-parallel input lives
-    if compiled:
-        norm_in = e * h                               # fused norm: its input (+ a per-token rstd)
-    elif workload.dtype == "bf16":
-        norm_in = 3 * e * h                           # eager: fp32 upcast (2e) + bf16 normalized (e)
-    else:
-        norm_in = 2 * e * h                           # eager fp32: input and normalized output
-    t[SEQ] = 2 * norm_in + 2 * drop * h               # two norms, two dropout masks
+    col_in = FULL if workload.tp_keeps_gathered else SEQ    # where a column-parallel input lives
+    t[SEQ] = 2 * _norm_saved_bytes(workload, compiled, e, h) + 2 * drop * h   # two norms, two dropout masks
     t[col_in] += 2 * lin * h                          # QKV and FFN inputs
     # GQA K/V expansion: the executor (CoreAttention, repeat_interleave) and TorchTitan (repeat_kv)
     # expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
     # K (after RoPE) and V are not saved (repeat's backward needs no input), so they are freed.
     # Megatron's fused kernels take GQA K/V as they are.  (Measured with saved_tensors_hooks on
     # llama3-debug: Q, K and V saved at n_heads * head_dim each.)
-    if dtensor and model.attention != "mla":
+    if workload.state_layout == "fsdp2" and model.attention != "mla":
         d_k = d_v = d_o
     t[SHARD] = e * (d_qk + d_k + d_v) + lin * d_o     # Q, K, V (RoPE applied) and out-proj input
+    if model.attention == "mla":                      # the normalized latents: the up projections' inputs
+        t[FULL] += lin * (model.kv_lora_rank + (model.q_lora_rank or 0))
     if fused and not core_dropped:
         # fp32 LSE kept by the SDPA kernel, and its output O.  The flash kernels (CUDA and
         # CPU) write O [b, s, heads, d]-contiguous and return it viewed as [b, heads, s, d], so
@@ -128,20 +130,66 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
         t[SHARD] += 4.0 * model.n_heads + (e * d_o if f8_fraction < 1.0 else 0.0)
     elif not fused and not core_dropped:
         t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
-    if not moe:
-        t[SHARD] += _saved_ffn_bytes(model, model.ffn_hidden, e, lin, compiled)
-    else:
-        k = model.top_k
-        t[SHARD] += k * (lin * h + _saved_ffn_bytes(model, model.moe_ffn_hidden, e, lin, compiled) + e * h)
-        if model.n_shared_experts:
-            t[SHARD] += _saved_ffn_bytes(model, model.n_shared_experts * model.moe_ffn_hidden, e, lin, compiled)
+    t[SHARD] += _ffn_terms(model, workload, moe, compiled, e, lin).sum()
     return t
 
 
-def _saved_ffn_bytes(model, width: float, e: float, lin: float, compiled: bool) -> float:
+def _norm_saved_bytes(workload, compiled: bool, e: float, h: int) -> float:
+    """Bytes per token one pre-norm keeps (see `layer_activation_terms`)."""
+    if compiled:
+        return e * h                                  # fused norm: its input (+ a per-token rstd)
+    if workload.dtype == "bf16":
+        return 3 * e * h                              # eager: fp32 upcast (2e) + bf16 normalized (e)
+    return 2 * e * h                                  # eager fp32: input and normalized output
+
+
+def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, lin: float) -> np.ndarray:
+    """Bytes per token (tp-sharded) the FFN keeps: [dense FFN or routed experts' hiddens, the routed
+    experts' dispatched inputs and outputs, shared experts, routed experts' activation outputs]."""
+    fused_mlp = workload.state_layout == "megatron"   # Megatron's fused bias-SwiGLU (compiled) keeps the fc2 input
+    if not moe:
+        return np.array([_saved_ffn_bytes(model, model.ffn_hidden, e, lin, compiled, fused_mlp), 0.0, 0.0, 0.0])
+    k, w = model.top_k, model.moe_ffn_hidden
+    act_out = lin * w if (not compiled or fused_mlp or model.mlp != "swiglu") else 0.0   # the fc2 input
+    experts = k * (_saved_ffn_bytes(model, w, e, lin, compiled, fused_mlp) - act_out)
+    shared = (_saved_ffn_bytes(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp)
+              if model.n_shared_experts else 0.0)
+    return np.array([experts, k * (lin * model.dim + e * model.dim), shared, k * act_out])
+
+
+def _module_drops(model, workload, moe: bool, compiled: bool, f8_fraction: float) -> np.ndarray:
+    """What Megatron's `recompute_modules` (selective_ac 'modules') drop from the stored terms, per
+    token (megatron/core/transformer: 'layernorm' and 'moe_act' and 'mla_up_proj' discard their
+    outputs, 'core_attn', 'mlp', 'moe' and 'shared_experts' checkpoint the submodule, keeping its
+    input, which the block keeps anyway).  'core_attn' is applied by `_stored_terms`."""
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    lin = e * f8_fraction
+    h = model.dim
+    d = np.zeros(N_TERMS)
+    ffn = _ffn_terms(model, workload, moe, compiled, e, lin)
+    if workload.recomputes("layernorm"):              # the norm outputs: the QKV and FFN inputs
+        d[FULL if workload.tp_keeps_gathered else SEQ] += 2 * lin * h
+    if workload.recomputes("mla_up_proj") and model.attention == "mla":
+        d_qk, d_k, d_v = attention_dims(model)
+        d[SHARD] += e * (d_qk + d_k + d_v)            # per-head Q, K (RoPE applied) and V
+    if workload.recomputes("mlp") and not moe:
+        d[SHARD] += ffn[0]
+    if moe and workload.recomputes("moe"):
+        d[SHARD] += ffn.sum()
+    else:
+        if moe and workload.recomputes("moe_act"):
+            d[SHARD] += ffn[3]
+        if moe and workload.recomputes("shared_experts"):
+            d[SHARD] += ffn[2]
+    return d
+
+
+def _saved_ffn_bytes(model, width: float, e: float, lin: float, compiled: bool, fused_mlp: bool = False) -> float:
     """Bytes per token an FFN of hidden `width` keeps (`lin`: bytes of a saved linear input)."""
-    if model.mlp == "swiglu":                         # gate, up (+ silu(gate) and product when eager)
-        return 2 * e * width + (0.0 if compiled else (e + lin) * width)
+    if model.mlp == "swiglu":     # gate, up (+ silu(gate) and product when eager; the product when fused)
+        if compiled:
+            return 2 * e * width + (lin * width if fused_mlp else 0.0)
+        return 2 * e * width + (e + lin) * width
     return e * width + lin * width                    # GeLU input and output (= fc2 input)
 
 
@@ -187,7 +235,7 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     # cat that reorders it along the sequence dim, and in backward a row-parallel partial sum is
     # held at full size for its reduce-scatter (measured on tp 2: 4 + 2 MiB of such buffers of a
     # 2 MiB [tokens, dim] tensor at the peak): two full-size residual tensors on top.
-    tp_bufs = np.where((table.tp > 1) & (workload.state_layout == "fsdp2") & workload.sequence_parallel,
+    tp_bufs = np.where((table.tp > 1) & workload.tp_keeps_gathered & workload.sequence_parallel,
                        2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp, 0.0)
     return kept, np.maximum(none - kept, 0.0) + grads + ffn_grads + tp_bufs
 
@@ -246,5 +294,5 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
     sp = tp if workload.sequence_parallel else np.ones_like(tp)
     tokens = table.microbatch * workload.seq_len / table.cp
     norm_in = np.where(compiled, e * h, (3 if workload.dtype == "bf16" else 2) * e * h)
-    head_in = e * h / (1.0 if workload.state_layout == "fsdp2" else sp)
+    head_in = e * h / (1.0 if workload.tp_keeps_gathered else sp)
     return tokens * (norm_in / sp + head_in)

@@ -6,6 +6,8 @@ these into per-micro-batch stage times.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .flops import COL, ROW, attention_dims, layer_matmuls
@@ -110,14 +112,18 @@ def launch_bound(gpu, host, sharpness: float):
     return top * ((gpu / top) ** sharpness + (host / top) ** sharpness) ** (1.0 / sharpness)
 
 
-def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes)."""
+def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
+                only: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes);
+    with `only`, of the matmuls whose name it accepts."""
     tp = table.tp.astype(np.float64)
     tokens = table.microbatch * workload.seq_len / table.cp
     f8 = table.float8
     fwd = np.zeros(len(table))
     recomputed = np.zeros(len(table))
     for i, m in enumerate(layer_matmuls(model, moe)):
+        if only is not None and not only(m.name):
+            continue
         k = np.floor(m.k / tp) if m.shard == ROW else m.k + 0 * tp     # this rank's shard
         n = np.floor(m.n / tp) if m.shard == COL else m.n + 0 * tp
         low = f8 & (m.name != "router")

@@ -50,7 +50,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         blk = _block_times(table, model, workload, coeffs, r, moe, tokens, tp, attn, tp_coll)
         if moe:
             exp_f, exp_b = _ep_exposed(table, model, hw, coeffs, links["ep"], r, tokens, tp, blk["gpu_f"],
-                                       blk["gpu_b"], workload.sequence_parallel)
+                                       blk["gpu_b"], workload.sequence_parallel, workload.recomputes("moe"))
             out["ep_f"] += count * exp_f
             out["ep_b"] += count * exp_b
         out["F"] += count * blk["f"]
@@ -77,9 +77,15 @@ def _tp_collectives(table, model, workload, tp_link, r: Rates, tokens, tp) -> tu
     forward's 4; the 'op' policy re-gathers the inputs of recomputed matmuls (2); the 'matmul'
     policy keeps the collectives' outputs.
     """
-    op_sac = table.is_ac("selective") & (workload.selective_ac == "op")
+    sel = table.is_ac("selective")
+    op_sac = sel & (workload.selective_ac == "op")
     tp_one = ring_gather_time(tp, tokens * model.dim * r.elt, tp_link.bw, tp_link.alpha)
-    tp_rec = np.where(table.is_ac("full"), 4.0, np.where(op_sac, 2.0, 0.0))
+    # sequence-sharded saves (tp_activations) re-gather the QKV and FFN inputs in backward (2), as
+    # the 'op' policy's recomputed matmuls do; a recomputed dense MLP repeats its all-gather and
+    # reduce-scatter (2 more)
+    regather = np.where(op_sac | (not workload.tp_keeps_gathered), 2.0, 0.0)
+    mlp_rec = 2.0 if (workload.recomputes("mlp") and not model.is_moe) else 0.0
+    tp_rec = np.where(table.is_ac("full"), 4.0, regather + np.where(sel, mlp_rec, 0.0))
     n_coll = np.where(tp > 1, 4.0 if workload.sequence_parallel else 2.0, 0.0)   # launches per direction
     return tp_one, tp_rec, n_coll
 
@@ -116,9 +122,11 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
                     kernels_per_block(model, workload, moe, False))
     # recomputation in backward (Korthikanti Sec. 5, Table 4): full = the whole forward again;
     # 'op' = the unsaved matmuls and all pointwise ops; 'attention' = the attention core.
+    mod_rec = _module_recompute(table, model, workload, coeffs, r, moe, tokens, tp, sp, a_fwd)
     rec = np.where(ac_full, g_f + a_fwd + el_f,
-                   np.where(op_sac, g_rec + el_f, np.where(mm_sac, el_f, np.where(att_sac, a_fwd, 0.0))))
-    rec_k = np.where(ac_full, 1.0, np.where(op_sac, 0.6, np.where(mm_sac, 0.5, np.where(att_sac, 0.1, 0.0))))
+                   np.where(op_sac, g_rec + el_f, np.where(mm_sac, el_f, np.where(att_sac, a_fwd, mod_rec))))
+    rec_k = np.where(ac_full, 1.0, np.where(op_sac, 0.6, np.where(mm_sac, 0.5, np.where(
+        att_sac, 0.1, np.where(ac_sel, mod_rec / np.maximum(g_f + a_fwd + el_f, 1e-30), 0.0)))))
     # backward launches ~2x the forward's kernels (+ the recomputed ones); W is one per weight
     n_mm = float(len({m.name for m in layer_matmuls(model, moe)}))
     lat = coeffs.kernel_latency_s
@@ -139,15 +147,45 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     return {"f": f, "b": b, "w": g_w, "tpf": tpf, "tpb": tpb, "gpu_f": gpu_f, "gpu_b": gpu_b}
 
 
+def _module_recompute(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp, sp, a_fwd) -> np.ndarray:
+    """Forward time one block recomputes under selective_ac 'modules' (Megatron's recompute_modules):
+    the attention core, the two norms (read and write the residual width), MLA's up projections,
+    the dense MLP's or the MoE layer's (router, experts, shared experts) matmuls, the experts'
+    activation (read gate and up, write the product) and the shared experts."""
+    if workload.selective_ac != "modules":
+        return np.zeros(len(table))
+    e = r.elt
+    rec = np.zeros(len(table))
+    if workload.recomputes("core_attn"):
+        rec = rec + a_fwd
+    if workload.recomputes("layernorm"):
+        rec = rec + tokens * 2 * 2 * e * model.dim / sp / r.mem
+    names: set[str] = set()
+    if workload.recomputes("mla_up_proj") and model.attention == "mla":
+        names |= {"wq_b", "wkv_b", "wq"}
+    if workload.recomputes("mlp") and not moe:
+        names |= {"w1", "w2", "w3", "fc1", "fc2"}
+    if moe and workload.recomputes("moe"):
+        names |= {m.name for m in layer_matmuls(model, moe) if m.group == "ffn"}
+    elif moe and workload.recomputes("shared_experts"):
+        names |= {m.name for m in layer_matmuls(model, moe) if m.name.startswith("shared.")}
+    if names:
+        rec = rec + layer_gemms(table, model, workload, coeffs, r, moe, only=names.__contains__)[0]
+    if moe and workload.recomputes("moe_act") and not workload.recomputes("moe"):
+        rec = rec + tokens * model.top_k * 3 * e * model.moe_ffn_hidden / tp / r.mem
+    return rec
+
+
 def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, gpu_b,
-                sequence_parallel: bool) -> tuple[np.ndarray, np.ndarray]:
+                sequence_parallel: bool, moe_recomputed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Exposed EP dispatch + combine all-to-alls of one MoE block (Lepikhin et al. 2020,
     arXiv:2006.16668), forward and backward; DualPipeV overlaps them with the other micro-batch's
     compute."""
     sp = tp if sequence_parallel else np.ones(len(table))
     lpd = link_params(hw, coeffs)
     lp = (lpd["intra_bw"], lpd["intra_alpha"], lpd["inter_bw"], lpd["inter_alpha"])
-    ac_full = table.is_ac("full")
+    # full recompute, or Megatron's 'moe' recompute module, runs the dispatch and combine again
+    ac_full = table.is_ac("full") | (table.is_ac("selective") & moe_recomputed)
     a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
     # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
     a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),

@@ -6,12 +6,16 @@ A data spec like the model and hardware specs (``specs.py``), checked by the typ
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from search_spaces.typed import check_fields
 
 from .specs import _COUNT, _POSITIVE, SpecError
+
+# Megatron-core's selective-recompute submodules (TransformerConfig.recompute_modules)
+RECOMPUTE_MODULES = Literal["core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +38,26 @@ class Workload:
     ``selective_ac`` says what ``ac: selective`` keeps: ``matmul`` (this executor: every
     matmul, attention and collective output; pointwise ops are recomputed), ``op``
     (TorchTitan's per-op policy: every other matmul output and the attention outputs) or
-    ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3).
+    ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3) or
+    ``modules`` (Megatron-core's ``recompute_granularity: selective`` with the submodules named by
+    ``recompute_modules``; see below).
+
+    ``recompute_modules`` (with ``selective_ac: modules``) lists Megatron-core's selective-recompute
+    submodules (TransformerConfig.recompute_modules, megatron/core/transformer/transformer_config.py):
+    ``core_attn`` (the attention core, Megatron's default), ``layernorm`` (the two pre-norms'
+    outputs are discarded and recomputed from their inputs), ``mla_up_proj`` (MLA's up projections and
+    RoPE: the per-head Q, K and V are recomputed from the kept low-rank latents), ``mlp`` (a dense
+    block's whole FFN, keeping its input), ``moe_act`` (the experts' activation output, the expert
+    down projection's input), ``moe`` (the whole MoE layer: router, dispatch, experts and combine,
+    keeping its input) and ``shared_experts`` (the shared experts' FFN).  NeMo and Megatron-Bridge
+    recipes set them per model (e.g. DeepSeek-V3 on 1,024 H100: ``mla_up_proj`` and ``mlp``).
+
+    ``tp_activations`` is what a tensor-parallel block keeps of the tensors its collectives move:
+    ``gathered`` (DTensor-style TP as in TorchTitan and this executor: a column-parallel matmul keeps
+    its all-gathered input, a row-parallel one its full-size partial sum) or ``sharded`` (Megatron's
+    sequence parallelism, Korthikanti et al. 2022 Sec. 4.2.2: the sequence shard is kept and the
+    all-gather is run again in backward); ``auto`` is ``gathered`` for fsdp2 and ``sharded`` for
+    megatron.
 
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
@@ -65,7 +88,9 @@ class Workload:
     attention_impl: Literal["fused", "materialized"] = "fused"   # fused: flash / SDPA
     dropout: bool = False
     sequence_parallel: bool = True                            # with tp > 1
-    selective_ac: Literal["matmul", "op", "attention"] = "matmul"
+    selective_ac: Literal["matmul", "op", "attention", "modules"] = "matmul"
+    recompute_modules: tuple[Literal[RECOMPUTE_MODULES], ...] = ("core_attn",)   # with selective_ac: modules
+    tp_activations: Literal["auto", "gathered", "sharded"] = "auto"   # what TP blocks keep of gathered tensors
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
@@ -75,12 +100,30 @@ class Workload:
         if self.grad_dtype != "fp32" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'grad_dtype' is {self.grad_dtype!r} with state_layout "
                             f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: fp32)")
+        if self.selective_ac != "modules" and tuple(self.recompute_modules) != ("core_attn",):
+            raise SpecError(f"workload key 'recompute_modules' is {list(self.recompute_modules)} with selective_ac "
+                            f"{self.selective_ac!r}: the list is read only with selective_ac 'modules'")
+        if not self.recompute_modules:
+            raise SpecError("workload key 'recompute_modules' is empty: name at least one module (allowed: "
+                            + ", ".join(typing.get_args(RECOMPUTE_MODULES)) + ")")
 
     @property
     def grad_elem_bytes(self) -> float:
         """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
         layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
         return 2.0 if self.state_layout == "megatron" and self.grad_dtype == "bf16" else 4.0
+
+    @property
+    def tp_keeps_gathered(self) -> bool:
+        """``tp_activations`` with ``auto`` resolved by the state layout: True when TP blocks keep the
+        all-gathered inputs (and full-size partial sums), False when they keep sequence shards."""
+        if self.tp_activations != "auto":
+            return self.tp_activations == "gathered"
+        return self.state_layout == "fsdp2"
+
+    def recomputes(self, module: str) -> bool:
+        """True when ``ac: selective`` under ``selective_ac: modules`` recomputes `module`."""
+        return self.selective_ac == "modules" and module in self.recompute_modules
 
     @property
     def grad_accum_mode(self) -> str:
@@ -101,4 +144,5 @@ class Workload:
         return self.seq_len * self.global_batch
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values (lists for the tuple keys), as plan files and --json hold them."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

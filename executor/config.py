@@ -88,7 +88,7 @@ class TrainConfig:
     tokenizer: str = field(default="bytes", metadata=_NONEMPTY)  # "bytes" | path of a HF tokenizer.json
     max_corpus_bytes: int = field(default=16_000_000, metadata=_AT_LEAST_1)
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: fp32 on CPU; on GPU workload.dtype if given, else bf16
-    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # auto: fused on GPU, foreach on CPU
+    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # auto: fused (GPU and CPU)
     log_every: int = field(default=1, metadata=_AT_LEAST_1)
     profile_step: int = field(default=2, metadata=_AT_LEAST_0)  # CPU: step whose peak memory is measured; 0 = never
     tensorboard: bool = True
@@ -316,6 +316,12 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         key = "attention_impl" if wl.attention_impl != "fused" else "dropout"
         raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
                           "without dropout (that key describes other frameworks to the planner)")
+    if wl.selective_ac != "matmul":
+        raise ConfigError(f"workload key 'selective_ac' is {show(wl.selective_ac)}, but titan-run's selective "
+                          "checkpointing keeps every matmul output (matmul; that key describes other frameworks)")
+    if not wl.tp_keeps_gathered:
+        raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)}, but titan-run's tensor "
+                          "parallel keeps the gathered inputs (auto or gathered; that key describes other frameworks)")
     if wl.grad_accum_mode != "autograd":
         raise ConfigError(f"workload key 'grad_accum' is {show(wl.grad_accum)}, but titan-run accumulates "
                           "gradients with autograd (auto or autograd; that key describes other frameworks)")

@@ -29,7 +29,7 @@ DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
-                  "selective_ac", "grad_dtype", "loss_impl", "grad_accum")
+                  "selective_ac", "recompute_modules", "tp_activations", "grad_dtype", "loss_impl", "grad_accum")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -41,7 +41,13 @@ WORKLOAD_HELP = {
     "sequence_parallel": "sequence parallel with tp > 1 (default yes; no = norm/dropout activations "
                          "replicated over tp ranks)",
     "selective_ac": "what 'ac: selective' keeps: matmul (this executor, default), op (TorchTitan's per-op "
-                    "policy) or attention (Megatron: recompute the attention core only)",
+                    "policy), attention (Megatron: recompute the attention core only) or modules (Megatron's "
+                    "recompute_modules, see --recompute-modules)",
+    "recompute_modules": "with --selective-ac modules: comma-separated Megatron-core submodules to recompute, "
+                         "of core_attn (default), layernorm, mla_up_proj, mlp, moe_act, moe, shared_experts",
+    "tp_activations": "what a TP block keeps of its gathered tensors: auto (default: gathered for fsdp2, sharded "
+                      "for megatron), gathered (DTensor-style TP, this executor) or sharded (Megatron SP: the "
+                      "sequence shard, all-gathered again in backward)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "
@@ -95,7 +101,8 @@ class PlanInputs:
                 f"{self.workload_line()}" + (f"  [local: {self.local.description}]" if self.local else ""))
 
 
-_WORKLOAD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Workload)}
+_WORKLOAD_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+                      for f in dataclasses.fields(Workload)}
 
 
 # --------------------------------------------------------------------------- flags
@@ -122,8 +129,14 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
                            help=WORKLOAD_HELP[key])
         elif typing.get_origin(typ) is typing.Literal:
             w.add_argument(flag, dest=key, choices=typing.get_args(typ), help=WORKLOAD_HELP[key])
+        elif typing.get_origin(typ) is tuple:     # a comma-separated list; the Workload checks its items
+            w.add_argument(flag, dest=key, metavar="A,B,...", type=_comma_list, help=WORKLOAD_HELP[key])
         else:
             w.add_argument(flag, dest=key, type=typ, help=WORKLOAD_HELP[key])
+
+
+def _comma_list(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
 def parse_tokens(s: str) -> int:

@@ -1,0 +1,146 @@
+"""Megatron's selective recompute by submodule (selective_ac: modules + recompute_modules) and the TP
+activation regime (tp_activations): what each keeps and recomputes, their flags and plan-file keys, and
+titan-run's refusal of the values it does not run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from cost_models.activations import FULL, SEQ, SHARD, layer_activation_terms
+from cost_models.estimate import estimate
+from cost_models.flops import attention_dims
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
+
+DSV3 = load_model("deepseek-v3-671b")
+H100 = load_hardware("h100-sxm")
+
+
+def _wl(**kw) -> Workload:
+    return Workload(seq_len=4096, global_batch=1024, state_layout="megatron", zero=1, **kw)
+
+
+def _terms(model, moe, mods, **kw):
+    wl = _wl(selective_ac="modules", recompute_modules=mods, **kw)
+    return layer_activation_terms(model, wl, moe, "selective", True)
+
+
+def test_core_attn_alone_is_the_attention_policy():
+    for moe in (False, True):
+        att = layer_activation_terms(DSV3, _wl(selective_ac="attention"), moe, "selective", True)
+        assert np.array_equal(_terms(DSV3, moe, ["core_attn"]), att)
+
+
+def test_each_module_drops_what_it_recomputes():
+    e = 2.0
+    base_d, base_m = _terms(DSV3, False, ["core_attn"]), _terms(DSV3, True, ["core_attn"])
+    d_qk, d_k, d_v = attention_dims(DSV3)
+    up = _terms(DSV3, True, ["core_attn", "mla_up_proj"])
+    assert base_m[SHARD] - up[SHARD] == pytest.approx(e * (d_qk + d_k + d_v))      # per-head Q, K and V
+    ln = _terms(DSV3, True, ["core_attn", "layernorm"])
+    assert base_m[SEQ] - ln[SEQ] == pytest.approx(2 * e * DSV3.dim)               # the two norm outputs
+    mlp_dense, mlp_moe = _terms(DSV3, False, ["core_attn", "mlp"]), _terms(DSV3, True, ["core_attn", "mlp"])
+    assert np.array_equal(mlp_moe, base_m)                                          # 'mlp' is the dense FFN only
+    assert base_d[SHARD] - mlp_dense[SHARD] == pytest.approx(3 * e * DSV3.ffn_hidden)   # gate, up, fc2 input
+    act = _terms(DSV3, True, ["core_attn", "moe_act"])
+    assert base_m[SHARD] - act[SHARD] == pytest.approx(DSV3.top_k * e * DSV3.moe_ffn_hidden)
+    moe = _terms(DSV3, True, ["core_attn", "moe"])
+    shared = _terms(DSV3, True, ["core_attn", "shared_experts"])
+    assert moe[SHARD] < act[SHARD] and moe[SHARD] < shared[SHARD] < base_m[SHARD]
+    # nothing the attention keeps is dropped by the FFN modules
+    attn_only = _terms(DSV3, True, ["core_attn", "moe"])
+    assert attn_only[SHARD] >= e * (d_qk + d_k + d_v)
+
+
+def _estimate(plans, model, wl):
+    return estimate(CandidateTable.from_plans(plans), model, H100, wl)
+
+
+def test_recompute_costs_time_and_saves_memory_in_the_estimate():
+    plan = Plan(dp_shard=64, pp=8, tp=2, ep=64, microbatch=1, n_microbatches=16, schedule="Interleaved1F1B",
+                stages_per_rank=4, ac="selective", compile=True, runnable=False)
+    runs = {}
+    for mods in (["core_attn"], ["core_attn", "mla_up_proj"], ["core_attn", "moe"]):
+        est = _estimate([plan], DSV3, _wl(selective_ac="modules", recompute_modules=mods))
+        runs[mods[-1]] = (float(est.step_time_s[0]), float(est.memory["activations"][0]),
+                          float(est.time["ep_comm"][0]))
+    assert runs["mla_up_proj"][0] > runs["core_attn"][0] and runs["mla_up_proj"][1] < runs["core_attn"][1]
+    assert runs["moe"][1] < runs["core_attn"][1]
+    assert runs["moe"][2] > runs["core_attn"][2]      # the MoE layer's dispatch and combine run again
+
+
+def test_tp_activations_sharded_keeps_shards_and_regathers():
+    m = load_model("llama3-70b")
+    plans = [Plan(dp_shard=16, tp=tp, microbatch=1, n_microbatches=1, ac="none", runnable=False) for tp in (1, 8)]
+    plans[0] = dataclasses.replace(plans[0], dp_shard=128)
+    wl = lambda v: Workload(seq_len=8192, global_batch=128, tp_activations=v)  # noqa: E731
+    g, s = _estimate(plans, m, wl("gathered")), _estimate(plans, m, wl("sharded"))
+    assert g.memory["activations"][0] == s.memory["activations"][0]            # tp 1: nothing is gathered
+    assert s.memory["activations"][1] < g.memory["activations"][1]
+    assert s.time["tp_comm"][1] > g.time["tp_comm"][1]                         # the backward re-gathers
+    t_g = layer_activation_terms(m, wl("gathered"), False, "none", False)
+    t_s = layer_activation_terms(m, wl("sharded"), False, "none", False)
+    assert t_g[FULL] > 0 and t_s[FULL] == 0 and t_s[SEQ] - t_g[SEQ] == pytest.approx(t_g[FULL])
+    # auto follows the layout: megatron keeps shards, fsdp2 gathered inputs
+    assert not Workload(seq_len=8, global_batch=1, state_layout="megatron").tp_keeps_gathered
+    assert Workload(seq_len=8, global_batch=1).tp_keeps_gathered
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+BASE = ["estimate", "--model", "deepseek-v3-671b", "--gpus", "1024", "--hardware", "h100-sxm", "--seq-len", "4096",
+        "--global-batch", "8192", "--tp", "2", "--pp", "8", "--ep", "64", "--ac", "selective", "--state-layout",
+        "megatron", "--zero", "1", "--compile"]
+
+
+def test_flags_plan_file_and_json_echo(tmp_path):
+    r = _cli(*BASE, "--selective-ac", "modules", "--recompute-modules", "mla_up_proj,mlp",
+             "--tp-activations", "gathered", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["workload"]["recompute_modules"] == ["mla_up_proj", "mlp"]
+    assert doc["workload"]["tp_activations"] == "gathered" and doc["inputs"]["workload"] == doc["workload"]
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"model": "deepseek-v3-671b", "hardware": "h100-sxm",
+                                 "plan": {"dp_shard": 64, "pp": 8, "tp": 2, "ep": 64, "ac": "selective",
+                                          "compile": True},
+                                 "workload": {"seq_len": 4096, "global_batch": 8192, "state_layout": "megatron",
+                                              "zero": 1, "selective_ac": "modules",
+                                              "recompute_modules": ["mla_up_proj", "mlp"],
+                                              "tp_activations": "gathered"}}))
+    r2 = _cli("estimate", "--plan", str(f), "--json")
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--recompute-modules", "mlp"], "the list is read only with selective_ac 'modules'"),
+    (["--selective-ac", "modules", "--recompute-modules", "mlp,atn"], "got 'atn'"),
+])
+def test_bad_values_are_one_line_exit_2(args, message):
+    r = _cli(*BASE, *args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _cli(*BASE, "--tp-activations", "half")        # argparse's choices: usage and the error, exit 2
+    assert r.returncode == 2 and "--tp-activations: invalid choice: 'half'" in r.stderr
+
+
+@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "op"),
+                                       ("tp_activations", "sharded")])
+def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
+    from executor.config import ConfigError, load_run_config
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 2, "microbatch": 2},
+                                 "workload": {"seq_len": 64, "global_batch": 4, key: value}}))
+    with pytest.raises(ConfigError) as ei:
+        load_run_config(str(f), [], world_size=2)
+    assert f"workload key '{key}'" in str(ei.value) and "\n" not in str(ei.value)
