@@ -111,14 +111,24 @@ class Meshes:
         for name, mesh in named:       # a group shared by several axes takes the first (innermost-named) one
             if mesh.size() > 1:
                 out.setdefault(mesh.get_group().group_name, name)
+        experts = []                  # (axis, group, size) of the experts' own (unflattened) meshes' dims
         if self.ep is not None:       # ep/efsdp groups may equal dp_shard_cp's (then named that)
             for name in ("ep", "efsdp"):
                 mesh = getattr(self, name)
                 if mesh.size() > 1:
                     out.setdefault(mesh.get_group().group_name, name)
                 named.append((name, mesh))
+            # FSDP2 of the experts reduce-scatters on these meshes' groups, which can be other groups than
+            # the ones above (expert_spmd under tp, expert_fsdp with HSDP: built by unflattening)
+            for mesh in (self.expert_fsdp, self.expert_spmd):
+                experts += [(n, mesh.get_group(n), mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names)]
+            for name, group, size in experts:
+                if size > 1:
+                    out.setdefault(group.group_name, name)
         for name, mesh in named:       # one-rank groups: collectives there move no data
             out.setdefault(mesh.get_group().group_name, "self")
+        for _, group, _ in experts:
+            out.setdefault(group.group_name, "self")
         if dist.get_world_size() > 1:
             out.setdefault(dist.group.WORLD.group_name, "world")
         return out

@@ -13,17 +13,25 @@ the sequence-parallel local tokens of this rank's context-parallel chunk).  Layo
 * ``dp2xcp2xtp2xep2`` (8, slow): experts FSDP-sharded over efsdp 2 (the dp_shard ranks), ep = cp;
 * ``dp2xcp2xtp2xep4`` (8, slow): ep spans dp_shard x cp (efsdp 1);
 * ``hsdp2xcp2xtp2xep2`` (8, slow): the experts' mesh is (dp_replicate 2, efsdp 1, ep 2, tp 2), the
-  experts replicated (HSDP) over dp_replicate.
+  experts replicated (HSDP) over dp_replicate;
+* ``pp2xdp2xcp2xtp2xep2`` (16, slow): all five axes, each pipeline stage's experts typed the same way.
 
-The checker (``train.spmd_typecheck=true``) runs the cp2xtp2xep2 steps with the same losses.
+The checker (``train.spmd_typecheck=true``) runs the cp2xtp2xep2 steps with the same losses.  On a fake
+process group (no processes), every rank of several layouts checks that the experts' mesh axes span the ranks
+of ``Meshes.ep`` / ``efsdp`` / ``tp`` / ``dp_replicate`` and that communication on them is attributed to those
+axes (``Meshes.group_names``).
 """
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch.distributed as dist
 
 from cost_models.specs import load_model
+from executor.mesh import build_meshes
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
@@ -34,8 +42,9 @@ needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(sp
 LAYOUTS = {"cp2xtp2xep2": Plan(dp_shard=1, cp=2, tp=2, ep=2, microbatch=4),
            "dp2xcp2xtp2xep2": Plan(dp_shard=2, cp=2, tp=2, ep=2, microbatch=2),
            "dp2xcp2xtp2xep4": Plan(dp_shard=2, cp=2, tp=2, ep=4, microbatch=2),
-           "hsdp2xcp2xtp2xep2": Plan(dp_replicate=2, dp_shard=1, cp=2, tp=2, ep=2, microbatch=2)}
-SLOW = {"dp2xcp2xtp2xep2", "dp2xcp2xtp2xep4", "hsdp2xcp2xtp2xep2"}          # eight processes
+           "hsdp2xcp2xtp2xep2": Plan(dp_replicate=2, dp_shard=1, cp=2, tp=2, ep=2, microbatch=2),
+           "pp2xdp2xcp2xtp2xep2": Plan(pp=2, dp_shard=2, cp=2, tp=2, ep=2, microbatch=1, n_microbatches=2)}
+SLOW = {"dp2xcp2xtp2xep2", "dp2xcp2xtp2xep4", "hsdp2xcp2xtp2xep2", "pp2xdp2xcp2xtp2xep2"}     # 8 and 16 processes
 
 
 def _layouts():
@@ -44,7 +53,7 @@ def _layouts():
 
 def _run(layout: str, backend: str):
     return run_on_its_backend(dataclasses.replace(LAYOUTS[layout], backend=backend), model=moe_spec_file(),
-                              seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, reference_learns_by=1.0)
+                              seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, reference_learns_by=1.0, timeout=1200)
 
 
 @needs_spmd
@@ -84,7 +93,43 @@ class _Meshes:
 @needs_spmd
 def test_ep_tp_cp_plans_get_spmd_types_silently(capsys):
     spec = load_model("moe-debug")
-    for plan in (*LAYOUTS.values(), Plan(pp=2, dp_shard=2, cp=2, tp=2, ep=2, microbatch=1, n_microbatches=2)):
+    for plan in LAYOUTS.values():
         assert spmd_plan_unsupported(plan, spec) is None, plan.describe()
         assert resolve_backend(plan, _Meshes(), announce=True, spec=spec) == "spmd_types", plan.describe()
     assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------- the experts' mesh, rank by rank
+MESH_PLANS = [Plan(cp=2, tp=2, ep=2), Plan(dp_shard=2, cp=2, tp=2, ep=2), Plan(dp_shard=2, cp=2, tp=2, ep=4),
+              Plan(dp_replicate=2, dp_shard=1, cp=2, tp=2, ep=2), Plan(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4),
+              Plan(pp=2, dp_shard=2, cp=2, tp=2, ep=2, n_microbatches=2), Plan(dp_shard=4, tp=2, ep=2),
+              Plan(dp_shard=2, cp=2, ep=2)]
+
+
+def _expert_mesh_mismatches(plans: list[Plan]) -> list[str]:
+    """For every rank of every plan on a fake process group: what differs between the experts' mesh axes and
+    the matching dense / expert axes, or where group_names does not name an experts' mesh axis."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # test-only fake process group
+    out = []
+    for plan in plans:
+        for rank in range(plan.world_size):
+            dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+            try:
+                m = build_meshes(plan, "cpu")
+                names = m.group_names()
+                for axis in m.expert_spmd.mesh_dim_names:
+                    got = m.expert_spmd[axis].mesh.tolist()
+                    want = getattr(m, axis).mesh.tolist()
+                    if got != want:
+                        out.append(f"{plan.describe()} rank {rank} {axis}: {got} vs {want}")
+                    group = m.expert_spmd.get_group(axis).group_name
+                    if names.get(group) != (axis if len(got) > 1 else "self"):
+                        out.append(f"{plan.describe()} rank {rank} {axis}: group_names says {names.get(group)}")
+            finally:
+                dist.destroy_process_group()
+    return out
+
+
+def test_the_experts_mesh_spans_the_ep_efsdp_and_tp_ranks_on_every_rank():
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(_expert_mesh_mismatches, MESH_PLANS).result(timeout=600) == []
