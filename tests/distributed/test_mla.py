@@ -14,7 +14,9 @@ the global loss and gradient norm after every step must be within 1e-4 (relative
 single-process run:
 FSDP 2, TP 2 with sequence parallel (MLA sharded by heads, down-projections replicated; also
 with q_lora_rank 0 and with per-block compile), EP 2, PP 2 and CP 2 (ring attention with
-v_head_dim != qk head dim).
+v_head_dim != qk head dim).  These run on the plan's default backend, spmd_types (MLA under TP typed by
+``spmd_tensor_parallel.MLA_ATTENTION_SHARDING``); tests/distributed/test_spmd_mla.py runs the TP
+layouts on both backends and compares them.
 """
 from __future__ import annotations
 

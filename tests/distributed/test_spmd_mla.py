@@ -6,8 +6,9 @@ step within 1e-4 relative of one process, no fallback note, and the two backends
 each other.  On spmd_types the MLA block is typed by ``spmd_tensor_parallel.MLA_ATTENTION_SHARDING``:
 up-projections by heads, the replicated down-projections and latent norms R with pending-sum
 gradients.  ``tp2_q0``: q_lora_rank 0 (wq column-wise instead of wq_a / q_norm / wq_b);
-``dp2xtp2`` (four processes, slow): FSDP over the typed MLA parameters; ``tp2_compile``: per-block
-compile on the spmd path.
+``dp2xtp2`` (four processes, slow): FSDP over the typed MLA parameters; ``cp2xtp2`` (four processes,
+slow): ring attention over cp on the heads this tp rank holds (q, k, v V on tp: k's shared rotary
+part is R joined with the head-sharded k_nope); ``tp2_compile``: per-block compile on the spmd path.
 
 The checker (``train.spmd_typecheck=true``) runs TP 2 steps (same losses as without it), and a
 one-process fake-process-group step of both MLA variants (q_lora_rank 96 and 0) type-checks.
@@ -36,8 +37,9 @@ needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(sp
 LAYOUTS = {"tp2": (Plan(tp=2, microbatch=4), None),
            "tp2_q0": (Plan(tp=2, microbatch=4), 0),
            "dp2xtp2": (Plan(dp_shard=2, tp=2, microbatch=2), None),
-           "tp2_compile": (Plan(tp=2, microbatch=4, compile=True), None)}
-SLOW = {"dp2xtp2", "tp2_q0", "tp2_compile"}         # four processes; the variants of the quick tp2 case
+           "tp2_compile": (Plan(tp=2, microbatch=4, compile=True), None),
+           "cp2xtp2": (Plan(cp=2, tp=2, microbatch=4), None)}
+SLOW = {"dp2xtp2", "cp2xtp2", "tp2_q0", "tp2_compile"}     # four processes; the variants of the quick tp2 case
 
 
 def _layouts():
