@@ -72,9 +72,17 @@ framework):
   optimizer: the DeepSpeed pipeline engine calls `optimizer.update_hp_grads()` after every
   micro-batch's backward, deepspeed/runtime/pipe/engine.py `_exec_backward_pass`); the other
   Megatron stacks fuse it into the weight-gradient GEMM (gradient_accumulation_fusion, auto);
-  the FSDP stacks use autograd's accumulation (auto).  megatron-deepspeed-2022 also has
+  the FSDP stacks use autograd's accumulation (auto).  Except BLOOM rows that predate the BF16
+  optimizer (their precision field says so, or says fp16: bigscience tr11-176B-ml chronicles-prequel.md, section
+  "Rebalancing layers": from 02-28 the BF16 optimizer accumulates gradients in fp32 "compared to fp16
+  which grad accumulates in fp16"): fp16 mixed precision, whose 16-bit gradients accumulate in the
+  parameters' .grad (autograd) and are reduced in 16 bits (grad_dtype bf16: 2 bytes).
+  megatron-deepspeed-2022 also has
   dp_overlap = 0: DeepSpeed's pipeline `TrainSchedule` issues `ReduceGrads` as its own instruction
   after the last micro-batch's backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it.
+* norm kernel (Workload.norm_impl): a row's `norm_type` as its config states it (TorchTitan's 2024
+  train configs: `fused_rmsnorm`, a Triton kernel keeping its input, or `rmsnorm`, eager); unstated,
+  fused exactly when the row compiles (auto).
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
@@ -251,13 +259,20 @@ def build_case(row) -> Case:
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
     zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
     compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
+    # a stated norm kernel (TorchTitan's norm_type); unstated: fused exactly when compiled
+    norm_text = str(par.get("norm_type", "")).lower()
+    norm = "fused" if norm_text.startswith("fused") else "eager" if norm_text else "auto"
+    # BLOOM runs before DeepSpeed's BF16 optimizer: fp16, gradients accumulated in 16 bits by autograd
+    prec = str(par.get("precision", "")).lower()
+    fp16_ds = source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16"))
     workload = Workload(seq_len=seq, global_batch=gb, state_layout=state, zero=zero,
                         attention_impl="materialized" if materialized else "fused", dropout=materialized,
                         sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
                         selective_ac="attention" if megatron else "op",
-                        grad_dtype="bf16" if source in NVIDIA_RECIPES and state == "megatron" else "fp32",
+                        grad_dtype="bf16" if (source in NVIDIA_RECIPES or fp16_ds) and state == "megatron" else "fp32",
                         loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "auto",
-                        grad_accum="hp_copy" if source == "megatron-deepspeed-2022" else "auto")
+                        grad_accum="autograd" if fp16_ds else "hp_copy" if source == "megatron-deepspeed-2022"
+                        else "auto", norm_impl=norm)
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
     if source == "megatron-deepspeed-2022":
         flags["dp_overlap"] = 0.0     # DeepSpeed's pipeline TrainSchedule reduces after the last backward

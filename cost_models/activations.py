@@ -135,8 +135,8 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
 
 
 def _norm_saved_bytes(workload, compiled: bool, e: float, h: int) -> float:
-    """Bytes per token one pre-norm keeps (see `layer_activation_terms`)."""
-    if compiled:
+    """Bytes per token one pre-norm keeps (see `layer_activation_terms`; `Workload.norm_impl`)."""
+    if workload.norm_fused(compiled):
         return e * h                                  # fused norm: its input (+ a per-token rstd)
     if workload.dtype == "bf16":
         return 3 * e * h                              # eager: fp32 upcast (2e) + bf16 normalized (e)
@@ -293,6 +293,7 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
     tp = table.tp.astype(np.float64)
     sp = tp if workload.sequence_parallel else np.ones_like(tp)
     tokens = table.microbatch * workload.seq_len / table.cp
-    norm_in = np.where(compiled, e * h, (3 if workload.dtype == "bf16" else 2) * e * h)
+    fused = compiled if workload.norm_impl == "auto" else np.full(len(table), workload.norm_impl == "fused")
+    norm_in = np.where(fused, e * h, (3 if workload.dtype == "bf16" else 2) * e * h)
     head_in = e * h / (1.0 if workload.tp_keeps_gathered else sp)
     return tokens * (norm_in / sp + head_in)

@@ -58,6 +58,10 @@ class Workload:
     sequence parallelism, Korthikanti et al. 2022 Sec. 4.2.2: the sequence shard is kept and the
     all-gather is run again in backward); ``auto`` is ``gathered`` for fsdp2 and ``sharded`` for
     megatron.
+    ``norm_impl`` is the norm kernel: ``eager`` (PyTorch ops: the fp32 upcast and the normalized
+    output are kept, 3x the bf16 width in bf16) or ``fused`` (one kernel keeping its input and a
+    per-token rstd: Apex/TE, Triton -- e.g. TorchTitan's ``norm_type = "fused_rmsnorm"`` of 2024 --
+    or a compiled block); ``auto`` is fused exactly when the plan compiles.
 
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
@@ -91,6 +95,7 @@ class Workload:
     selective_ac: Literal["matmul", "op", "attention", "modules"] = "matmul"
     recompute_modules: tuple[Literal[RECOMPUTE_MODULES], ...] = ("core_attn",)   # with selective_ac: modules
     tp_activations: Literal["auto", "gathered", "sharded"] = "auto"   # what TP blocks keep of gathered tensors
+    norm_impl: Literal["auto", "eager", "fused"] = "auto"     # the RMSNorm/LayerNorm kernel
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
@@ -120,6 +125,10 @@ class Workload:
         if self.tp_activations != "auto":
             return self.tp_activations == "gathered"
         return self.state_layout == "fsdp2"
+
+    def norm_fused(self, compiled: bool) -> bool:
+        """``norm_impl`` with ``auto`` resolved by compile: a compiled block's norm is fused."""
+        return compiled if self.norm_impl == "auto" else self.norm_impl == "fused"
 
     def recomputes(self, module: str) -> bool:
         """True when ``ac: selective`` under ``selective_ac: modules`` recomputes `module`."""

@@ -319,6 +319,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if wl.selective_ac != "matmul":
         raise ConfigError(f"workload key 'selective_ac' is {show(wl.selective_ac)}, but titan-run's selective "
                           "checkpointing keeps every matmul output (matmul; that key describes other frameworks)")
+    if wl.norm_impl != "auto":
+        raise ConfigError(f"workload key 'norm_impl' is {show(wl.norm_impl)}, but titan-run's norm is eager, "
+                          "fused under compile (auto; that key describes other frameworks to the planner)")
     if not wl.tp_keeps_gathered:
         raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)}, but titan-run's tensor "
                           "parallel keeps the gathered inputs (auto or gathered; that key describes other frameworks)")

@@ -29,7 +29,7 @@ DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
-                  "selective_ac", "recompute_modules", "tp_activations", "grad_dtype", "loss_impl", "grad_accum")
+                  "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl", "grad_accum")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -48,6 +48,8 @@ WORKLOAD_HELP = {
     "tp_activations": "what a TP block keeps of its gathered tensors: auto (default: gathered for fsdp2, sharded "
                       "for megatron), gathered (DTensor-style TP, this executor) or sharded (Megatron SP: the "
                       "sequence shard, all-gathered again in backward)",
+    "norm_impl": "norm kernel: auto (default: fused when compiled, else eager), eager (keeps the fp32 upcast "
+                 "and the normalized output) or fused (one kernel keeping its input: Apex/TE/Triton)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "

@@ -134,7 +134,7 @@ def test_bad_values_are_one_line_exit_2(args, message):
     assert r.returncode == 2 and "--tp-activations: invalid choice: 'half'" in r.stderr
 
 
-@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "op"),
+@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "op"), ("norm_impl", "fused"),
                                        ("tp_activations", "sharded")])
 def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
     from executor.config import ConfigError, load_run_config
@@ -144,3 +144,17 @@ def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
     with pytest.raises(ConfigError) as ei:
         load_run_config(str(f), [], world_size=2)
     assert f"workload key '{key}'" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_norm_impl_fused_keeps_the_input_only():
+    m = load_model("llama3-8b")
+    kw = dict(seq_len=4096, global_batch=8)
+    eager = layer_activation_terms(m, Workload(**kw), False, "none", False)
+    fused = layer_activation_terms(m, Workload(norm_impl="fused", **kw), False, "none", False)
+    assert eager[SEQ] - fused[SEQ] == pytest.approx(2 * (3 - 1) * 2.0 * m.dim)   # two norms: 3x -> 1x the width
+    assert np.array_equal(layer_activation_terms(m, Workload(**kw), False, "none", True), layer_activation_terms(
+        m, Workload(norm_impl="fused", **kw), False, "none", True))                 # auto: fused when compiled
+    plan = Plan(dp_shard=8, microbatch=2, n_microbatches=1, ac="none", runnable=False)
+    e = _estimate([plan], m, Workload(**kw))
+    f = _estimate([plan], m, Workload(norm_impl="fused", **kw))
+    assert f.memory["activations"][0] < e.memory["activations"][0]
