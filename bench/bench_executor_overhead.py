@@ -60,7 +60,7 @@ def main() -> None:
     t = cfg.train
     opt = torch.optim.AdamW([{"params": [p for p in plain.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
                              {"params": [p for p in plain.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)   # as titan-run (auto)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     plain_batches = build_batches(cfg, 0, 1)
 

@@ -96,7 +96,10 @@ def build_optimizer(stages, cfg: RunConfig, device: torch.device) -> torch.optim
                     for (_, decay), ps in groups.items()]
     impl = t.optimizer_impl
     if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+        # fused on every device: one kernel per group (torch has it for CPU too, as TorchTitan uses it);
+        # on CPU `foreach` runs one op per tensor per AdamW stage (2 gloo ranks, llama3 debugmodel
+        # shard, 57 tensors: 12.9 ms of CPU per step vs 3.7 fused)
+        impl = "fused"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kwargs)
 

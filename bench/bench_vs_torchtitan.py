@@ -1,0 +1,395 @@
+"""titan-run vs TorchTitan 0.3.0 on CPU, side by side: tokens/s per rank, and where each step's time goes.
+
+The work of ``../shared/torchtitan/side_by_side.sh`` (TorchTitan's llama3 debugmodel: dim 256,
+6 layers, 16 heads, FFN 768, vocab 2048; seq 512, local batch 2 per rank, fp32, AdamW, no
+activation checkpointing, no compile, 2 gloo processes, SDPA causal attention on both sides
+through the shim's ``SHIM_SDPA_CAUSAL=1``), for the two layouts of issue 13 (FSDP 2, TP 2), on
+one chosen backend per side (default: spmd_types on both).  Runs strictly alternate TorchTitan /
+ours (which one goes first flips every round), so drift on a shared machine hits both alike.
+
+Throughput is the wall definition of ``side_by_side_report.py``: TorchTitan's logged ``tps``
+(this rank's tokens since the last log over the wall time since then, / tp); ours, the global
+tokens of a step over the wall time since the previous step's record (metrics.jsonl ``time``)
+/ world size.  A run's figure is the median over steps FROM..N; the ratio of a layout is the
+median of the per-round ratios ours/TT (each round's two runs are adjacent in time).  Every
+run also records the load average and the cores the rest of the machine used while it ran.
+
+``--profile`` adds one more run per side and layout under ``torch.profiler`` (steps
+PROFILE_START+1 .. PROFILE_START+PROFILE_STEPS, hooked on the optimizer's step, so neither
+trainer is modified: a ``sitecustomize`` on PYTHONPATH installs the hook in the workers), and
+prints per step: aten ops dispatched (all, and the ones called from outside another aten op),
+collectives with their count and elements, copies/casts, allocations, and the top ops by self
+CPU time side by side.
+
+    python bench/bench_vs_torchtitan.py --tt-python VENV/bin/python [--work DIR] [--configs fsdp2 tp2]
+        [--reps 3] [--steps 20] [--from 4] [--ours-src DIR ...] [--profile] [--profile-only]
+
+``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
+pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
+torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
+'datasets<4.8' tyro tensorboard einops``.  Ours runs with this interpreter and each
+``--ours-src`` checkout first on PYTHONPATH (default: this checkout; give two to compare a
+before and an after in the same alternation).  Prints each run, the table, and the ratio last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_TT = ROOT.parent / "shared" / "torchtitan"
+LAYOUTS = {"fsdp2": (2, 1), "tp2": (1, 2)}         # (dp_shard, tp), 2 ranks each
+LOCAL_BATCH, SEQ = 2, 512
+TT_BACKENDS = {"spmd_types": "spmd_types", "dtensor": "partial_dtensor"}
+STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
+
+# Installed (as sitecustomize.py, on PYTHONPATH) in the worker processes of a --profile run: the
+# profiler starts after optimizer step START and stops after step START+N; each rank writes its events.
+PROFILE_HOOK = textwrap.dedent('''
+    import os
+    _out = os.environ.get("BVT_HOOK_OUT")
+    if _out and os.environ.get("LOCAL_RANK") is not None:
+        import json
+        import time
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _prof_spec = os.environ.get("BVT_PROFILE")
+        _start, _n = (int(x) for x in _prof_spec.split(":")) if _prof_spec else (-1, 0)
+        _state = {"steps": 0, "prof": None, "opt": None, "times": []}
+
+        def _dump(prof):
+            rows = []
+            for e in prof.events():
+                parent = e.cpu_parent
+                rows.append([e.name, e.self_cpu_time_total, e.cpu_time_total,
+                             parent.name if parent is not None else None,
+                             [list(s) for s in (e.input_shapes or []) if isinstance(s, (list, tuple))]])
+            with open(os.path.join(_out, "profile_rank%s.json" % os.environ["RANK"]), "w") as f:
+                json.dump({"steps": _n, "events": rows}, f)
+
+        def _hook(opt, args, kwargs):
+            # one count per training step: TorchTitan's OptimizersContainer is an Optimizer that steps
+            # its inner AdamW, so the global hook fires twice a step there; count the first optimizer only
+            if _state["opt"] is None:
+                _state["opt"] = id(opt)
+            if id(opt) != _state["opt"]:
+                return
+            _state["steps"] += 1
+            s = _state["steps"]
+            # this process's CPU seconds (all its threads) and wall seconds at the end of each optimizer step
+            _state["times"].append((s, time.process_time(), time.perf_counter()))
+            with open(os.path.join(_out, "steps_rank%s.json" % os.environ["RANK"]), "w") as f:
+                json.dump(_state["times"], f)
+            if s == _start:
+                _state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                        record_shapes=True)
+                _state["prof"].__enter__()
+            elif s == _start + _n and _state["prof"] is not None:
+                prof, _state["prof"] = _state["prof"], None
+                prof.__exit__(None, None, None)
+                _dump(prof)
+
+        register_optimizer_step_post_hook(_hook)
+''')
+
+
+# --------------------------------------------------------------------------- machine load
+def _busy_jiffies() -> tuple[int, int]:
+    f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    v = [int(x) for x in f]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v) - idle, sum(v)
+
+
+def run_measured(cmd: list[str], env: dict, cwd: Path, log: Path, timeout: int) -> dict:
+    """Run `cmd`; wall seconds, load average at the start, and cores the rest of the machine used meanwhile."""
+    load0 = os.getloadavg()[0]
+    busy0, _ = _busy_jiffies()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    wall = time.perf_counter() - t0
+    busy1, _ = _busy_jiffies()
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    hz = os.sysconf("SC_CLK_TCK")
+    own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    other = max(0.0, (busy1 - busy0) / hz - own)
+    return {"rc": rc, "wall_s": wall, "load1": load0, "other_cores": other / wall if wall > 0 else None}
+
+
+# --------------------------------------------------------------------------- the two sides
+def tt_cmd(a, cfg: str, out: Path) -> tuple[list[str], dict]:
+    dp, tp = LAYOUTS[cfg]
+    data = a.work / "data"
+    cmd = [a.tt_python, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+           str(a.shim), "--module", "llama3", "--config", "llama3_debugmodel",
+           "--hf-assets-path", str(data / "tokenizer"), "--dataloader.dataset", "c4_test",
+           "--dataloader.dataset-path", str(data / "corpus"), "--training.steps", str(a.steps),
+           "--training.local-batch-size", str(LOCAL_BATCH), "--training.seq-len", str(SEQ),
+           "--training.mixed-precision-param", "float32", "--parallelism.spmd-backend", TT_BACKENDS[a.tt],
+           "--parallelism.data-parallel-shard-degree", str(dp), "--parallelism.tensor-parallel-degree", str(tp),
+           "--debug.seed", "0", "--validator.no-enable", "--checkpoint.no-enable",
+           "--metrics.disable-color-printing", "--dump-folder", str(out / "out"), "activation-checkpoint:none"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(SHIM_SDPA_CAUSAL="1", SHIM_GLOO_SUM="1", OMP_NUM_THREADS="1")
+    return cmd, env
+
+
+def write_plan(a, cfg: str) -> Path:
+    dp, tp = LAYOUTS[cfg]
+    data = a.work / "data"
+    path = a.work / "plans" / f"{cfg}_{a.ours}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(f"""\
+        model: {SHARED_TT / 'llama3-tt-debugmodel.yaml'}
+        workload: {{seq_len: {SEQ}, global_batch: {LOCAL_BATCH * dp}}}
+        plan: {{dp_replicate: 1, dp_shard: {dp}, pp: 1, tp: {tp}, cp: 1, ep: 1, microbatch: {LOCAL_BATCH},
+               n_microbatches: 1, ac: none, reshard_after_forward: true, compile: false, float8: false,
+               backend: {a.ours}}}
+        train: {{lr: 8.0e-4, warmup: 2, min_lr_ratio: 0.0, weight_decay: 0.1, beta1: 0.9, beta2: 0.95,
+                eps: 1.0e-8, grad_clip: 1.0, seed: 0, dtype: fp32, profile_step: 0, tensorboard: false,
+                data: {data / 'corpus' / 'data.jsonl'}, tokenizer: {data / 'tokenizer' / 'tokenizer.json'}}}
+        """))
+    return path
+
+
+def ours_cmd(a, cfg: str, src: Path, out: Path) -> tuple[list[str], dict]:
+    cmd = [a.ours_python, "-m", "executor.cli", "--plan", str(write_plan(a, cfg)), "--nproc-per-node", "2",
+           "--steps", str(a.steps), "--run-dir", str(out / "run")]
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    return cmd, env
+
+
+def parse_tt(out: Path, lo: int) -> tuple[float | None, int]:
+    steps = {}
+    for line in (out / "log.txt").read_text(errors="replace").splitlines():
+        m = STEP_RE.search(line)
+        if m and "[rank1]" not in line and int(m.group(1)) not in steps:
+            steps[int(m.group(1))] = float(m.group(3).replace(",", ""))
+    tps = [v for k, v in steps.items() if k >= lo]
+    return (statistics.median(tps) if tps else None), len(steps)
+
+
+def parse_ours(out: Path, lo: int) -> tuple[float | None, int]:
+    path = out / "run" / "metrics.jsonl"
+    if not path.exists():
+        return None, 0
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    tps, prev = [], None
+    for r in recs:
+        if prev is not None and r["step"] >= lo:
+            tps.append(r["tokens_per_s"] * r["step_time_s"] / (r["time"] - prev) / 2)
+        prev = r["time"]
+    return (statistics.median(tps) if tps else None), len(recs)
+
+
+def cpu_ms_per_step(out: Path, lo: int) -> float | None:
+    """Median over steps lo..N of the CPU milliseconds the rank processes spent per step (mean over ranks):
+    the work a step costs, which other jobs on the machine do not inflate (wall time they do)."""
+    per_rank = []
+    for f in sorted(out.glob("steps_rank*.json")):
+        t = json.loads(f.read_text())
+        d = [(b[1] - a_[1]) * 1e3 for a_, b in zip(t, t[1:]) if b[0] >= lo]
+        if d:
+            per_rank.append(statistics.median(d))
+    return statistics.mean(per_rank) if per_rank else None
+
+
+def one_run(a, side: str, cfg: str, label: str, src: Path | None, tag: str, profile: bool = False):
+    out = a.runs / f"{cfg}.{label}.{tag}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd, env = tt_cmd(a, cfg, out) if side == "tt" else ours_cmd(a, cfg, src, out)
+    hook_dir = a.work / "step_hook"
+    hook_dir.mkdir(parents=True, exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(PROFILE_HOOK)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook_dir), env.get("PYTHONPATH")) if p)
+    env["BVT_HOOK_OUT"] = str(out)
+    if profile:
+        env["BVT_PROFILE"] = f"{a.profile_start}:{a.profile_steps}"
+    m = run_measured(cmd, env, out, out / "log.txt", a.timeout)
+    tps, n = parse_tt(out, a.from_step) if side == "tt" else parse_ours(out, a.from_step)
+    m.update(cfg=cfg, label=label, tps=tps, steps=n, dir=str(out), cpu_ms=cpu_ms_per_step(out, a.from_step))
+    ok = m["rc"] == 0 and tps is not None
+    print(f"  {cfg:6s} {label:22s} {tag:>4s}: "
+          + (f"{tps:8,.0f} tok/s/rank, {m['cpu_ms']:6.0f} CPU ms/step" if ok
+             else f"FAILED (rc {m['rc']}, {out / 'log.txt'})")
+          + f"   ({n} steps, {m['wall_s']:.0f} s, load1 {m['load1']:.2f}, "
+          f"other cores {m['other_cores']:.2f})", flush=True)
+    return m if ok else None
+
+
+# --------------------------------------------------------------------------- the profile
+COLLECTIVE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::)")
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to", "aten::cat",
+            "aten::_foreach_copy_", "aten::split_with_sizes_copy", "aten::chunk_cat")
+ALLOC_OPS = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zeros_like",
+             "aten::new_empty", "aten::new_zeros", "aten::new_empty_strided", "aten::full", "aten::ones_like")
+
+
+def summarize_profile(path: Path) -> dict:
+    d = json.loads(path.read_text())
+    n = d["steps"]
+    ops: dict[str, list] = {}      # name -> [count, self_us, total_us]
+    coll: dict[str, list] = {}     # name -> [count, elements]
+    aten_all = aten_outer = 0
+    step_us = 0.0
+    for name, self_us, total_us, parent, shapes in d["events"]:
+        o = ops.setdefault(name, [0, 0.0, 0.0])
+        o[0] += 1
+        o[1] += self_us
+        o[2] += total_us
+        step_us += self_us
+        if name.startswith("aten::"):
+            aten_all += 1
+            if parent is None or not parent.startswith("aten::"):
+                aten_outer += 1
+        if COLLECTIVE.match(name) and not (parent and COLLECTIVE.match(parent)):
+            c = coll.setdefault(name, [0, 0])
+            c[0] += 1
+            numels = [eval_numel(s) for s in shapes]
+            c[1] += max(numels, default=0)
+    per = lambda x: x / n       # noqa: E731
+    return {"steps": n, "self_ms": per(step_us) / 1e3, "aten_all": per(aten_all), "aten_outer": per(aten_outer),
+            "ops": {k: (per(c), per(s) / 1e3, per(t) / 1e3) for k, (c, s, t) in ops.items()},
+            "coll": {k: (per(c), per(e)) for k, (c, e) in coll.items()},
+            "copies": (sum(per(ops[k][0]) for k in COPY_OPS if k in ops),
+                       sum(per(ops[k][1]) / 1e3 for k in COPY_OPS if k in ops)),
+            "allocs": (sum(per(ops[k][0]) for k in ALLOC_OPS if k in ops),
+                       sum(per(ops[k][1]) / 1e3 for k in ALLOC_OPS if k in ops))}
+
+
+def eval_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        if not isinstance(s, int):
+            return 0
+        n *= s
+    return n
+
+
+def print_profile(cfg: str, sides: dict[str, dict], top: int) -> None:
+    labels = list(sides)
+    print(f"\n== profile {cfg} (rank 0, per step, {sides[labels[0]]['steps']} steps under torch.profiler) ==")
+    for lab in labels:
+        s = sides[lab]
+        print(f"{lab:22s}: self CPU {s['self_ms']:8.1f} ms/step | aten ops {s['aten_all']:7.0f} "
+              f"(outermost {s['aten_outer']:6.0f}) | copies/casts {s['copies'][0]:5.0f} ({s['copies'][1]:6.1f} ms) | "
+              f"allocations {s['allocs'][0]:5.0f} ({s['allocs'][1]:5.1f} ms)")
+        for k, (c, e) in sorted(s["coll"].items()):
+            print(f"{'':24s}{k:45s} x{c:5.1f}/step  {e / 1e6:7.3f} M elements/step")
+    names = sorted({k for s in sides.values() for k in s["ops"]},
+                   key=lambda k: -max(s["ops"].get(k, (0, 0, 0))[1] for s in sides.values()))[:top]
+    head = "".join(f" | {lab[:20]:>20s} ms   n" for lab in labels)
+    print(f"{'op (self CPU per step)':48s}{head}")
+    for k in names:
+        row = "".join(f" | {s['ops'].get(k, (0, 0, 0))[1]:23.2f} {s['ops'].get(k, (0, 0, 0))[0]:4.0f}"
+                      for s in sides.values())
+        print(f"{k[:48]:48s}{row}")
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tt-python", required=True, help="interpreter with torchtitan 0.3.0 and spmd_types 0.2.3")
+    ap.add_argument("--ours-python", default=sys.executable)
+    ap.add_argument("--ours-src", type=Path, action="append", help="checkout(s) of this project to run (default: this one)")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_torchtitan")
+    ap.add_argument("--shim", type=Path, default=SHARED_TT / "torchtitan_cpu_shim.py")
+    ap.add_argument("--configs", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--ours", default="spmd_types", choices=("spmd_types", "dtensor"))
+    ap.add_argument("--tt", default="spmd_types", choices=list(TT_BACKENDS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--from", dest="from_step", type=int, default=4, help="first step in a run's median")
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--profile", action="store_true", help="also one profiled run per side and layout")
+    ap.add_argument("--profile-only", action="store_true")
+    ap.add_argument("--profile-start", type=int, default=4)
+    ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args()
+    srcs = [p.resolve() for p in (a.ours_src or [ROOT])]
+    a.work = a.work.resolve()
+    a.runs = a.work / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    a.runs.mkdir(parents=True, exist_ok=True)
+    if not (a.work / "data" / "tokenizer" / "tokenizer.json").exists():
+        subprocess.run([a.tt_python, str(SHARED_TT / "make_data.py"), str(a.work / "data")], check=True)
+    labels = {f"ours {a.ours}" + (f" [{p.name}]" if len(srcs) > 1 else ""): p for p in srcs}
+    tt_label = f"TT {a.tt}"
+    print(f"bench_vs_torchtitan: runs in {a.runs}; uptime: {Path('/proc/loadavg').read_text().strip()}; "
+          f"{os.cpu_count()} cores", flush=True)
+
+    results: list[dict] = []
+    rounds: dict[str, list[dict]] = {c: [] for c in a.configs}
+    for rep in range(1, 0 if a.profile_only else a.reps + 1):
+        for cfg in a.configs:
+            order = [(tt_label, "tt", None)] + [(lab, "ours", src) for lab, src in labels.items()]
+            if rep % 2 == 0:
+                order.reverse()
+            rnd = {}
+            for lab, side, src in order:
+                m = one_run(a, side, cfg, lab.replace(" ", "_").replace("[", "").replace("]", ""), src, str(rep))
+                if m is not None:
+                    m["label"] = lab
+                    results.append(m)
+                    rnd[lab] = m
+            rounds[cfg].append(rnd)
+
+    if a.profile or a.profile_only:
+        for cfg in a.configs:
+            sides = {}
+            for lab, side, src in [(tt_label, "tt", None)] + [(lab, "ours", src) for lab, src in labels.items()]:
+                name = lab.replace(" ", "_").replace("[", "").replace("]", "")
+                one_run(a, side, cfg, name, src, "prof", profile=True)
+                pfile = a.runs / f"{cfg}.{name}.prof" / "profile_rank0.json"
+                if pfile.exists():
+                    sides[lab] = summarize_profile(pfile)
+            if sides:
+                print_profile(cfg, sides, a.top)
+
+    if not results:
+        return
+    print(f"\n== tokens/s per rank (median over steps {a.from_step}..{a.steps}, then over runs) ==")
+    loads = [m["other_cores"] for m in results if m["other_cores"] is not None]
+    print(f"machine: {os.cpu_count()} cores; the rest of the machine used {statistics.median(loads):.2f} cores "
+          f"(median over runs, max {max(loads):.2f}); load1 median {statistics.median(m['load1'] for m in results):.2f}")
+    for cfg in a.configs:
+        for lab in [tt_label, *labels]:
+            ms = [m for m in results if m["cfg"] == cfg and m["label"] == lab]
+            if ms:
+                cpu = [m["cpu_ms"] for m in ms if m["cpu_ms"] is not None]
+                print(f"  {cfg:6s} {lab:28s} {statistics.median(m['tps'] for m in ms):8,.0f} tok/s/rank   "
+                      f"{statistics.median(cpu) if cpu else float('nan'):6.0f} CPU ms/step   runs: "
+                      + ", ".join(f"{m['tps']:,.0f}" for m in ms))
+    print()
+    for cfg in a.configs:
+        for lab in labels:
+            both = [r for r in rounds[cfg] if lab in r and tt_label in r]
+            cpu = [r[tt_label]["cpu_ms"] / r[lab]["cpu_ms"] for r in both
+                   if r[lab]["cpu_ms"] and r[tt_label]["cpu_ms"]]
+            if cpu:
+                print(f"CPU work {cfg} {tt_label} / {lab} = {statistics.median(cpu):.3f}   (CPU ms per step, "
+                      f"median of {len(cpu)} rounds; > 1: ours does less work per step)")
+    for cfg in a.configs:
+        for lab in labels:
+            pairs = [r[lab]["tps"] / r[tt_label]["tps"] for r in rounds[cfg] if lab in r and tt_label in r]
+            if pairs:
+                print(f"ratio {cfg} {lab} / {tt_label} = {statistics.median(pairs):.3f}   "
+                      f"(tokens/s, median of {len(pairs)} alternating rounds: "
+                      + ", ".join(f"{p:.3f}" for p in pairs) + ")")
+
+
+if __name__ == "__main__":
+    main()
