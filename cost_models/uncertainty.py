@@ -95,6 +95,10 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
     add("expert parallel across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
     if model.n_expert_groups and model.n_limited_groups < model.n_expert_groups:
         add("node-limited expert routing across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
+    if workload.selective_ac == "modules":
+        add("selective recompute by Megatron submodules", table.is_ac("selective"))
+    add("tensor parallel keeping " + ("gathered inputs" if workload.tp_keeps_gathered else "sequence shards"),
+        table.tp > 1)
     add(f"{workload.state_layout} state layout", np.ones(n, dtype=bool))
     add(f"hardware {hw.name}", np.ones(n, dtype=bool))
     return out

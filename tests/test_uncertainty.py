@@ -28,7 +28,7 @@ def _spreads(**over) -> Spreads:
              memory_rows={"states": 10, "activations": 10, "buffers": 10},
              regimes=frozenset({"1F1B on a dense model", "no pipeline, a dense model",
                                 "full activation checkpointing above 100B parameters", "fsdp2 state layout",
-                                "hardware h100-sxm"}), max_world=16384, min_share=0.05, min_rows=3)
+                                "hardware h100-sxm", "tensor parallel keeping gathered inputs"}), max_world=16384, min_share=0.05, min_rows=3)
     d.update(over)
     return Spreads(**d)
 
