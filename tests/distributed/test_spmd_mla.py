@@ -8,7 +8,9 @@ up-projections by heads, the replicated down-projections and latent norms R with
 gradients.  ``tp2_q0``: q_lora_rank 0 (wq column-wise instead of wq_a / q_norm / wq_b);
 ``dp2xtp2`` (four processes, slow): FSDP over the typed MLA parameters; ``cp2xtp2`` (four processes,
 slow): ring attention over cp on the heads this tp rank holds (q, k, v V on tp: k's shared rotary
-part is R joined with the head-sharded k_nope); ``tp2_compile``: per-block compile on the spmd path.
+part is R joined with the head-sharded k_nope); ``pp2xtp2`` (slow): each pipeline stage's MLA
+blocks typed by the same table; ``dp2xtp2xep2`` (slow): MLA attention under TP with the routed
+experts on their own mesh; ``tp2_compile``: per-block compile on the spmd path.
 
 The checker (``train.spmd_typecheck=true``) runs TP 2 steps (same losses as without it), and a
 one-process fake-process-group step of both MLA variants (q_lora_rank 96 and 0) type-checks.
@@ -38,8 +40,11 @@ LAYOUTS = {"tp2": (Plan(tp=2, microbatch=4), None),
            "tp2_q0": (Plan(tp=2, microbatch=4), 0),
            "dp2xtp2": (Plan(dp_shard=2, tp=2, microbatch=2), None),
            "tp2_compile": (Plan(tp=2, microbatch=4, compile=True), None),
-           "cp2xtp2": (Plan(cp=2, tp=2, microbatch=4), None)}
-SLOW = {"dp2xtp2", "cp2xtp2", "tp2_q0", "tp2_compile"}     # four processes; the variants of the quick tp2 case
+           "cp2xtp2": (Plan(cp=2, tp=2, microbatch=4), None),
+           "pp2xtp2": (Plan(pp=2, tp=2, microbatch=2, n_microbatches=2), None),
+           "dp2xtp2xep2": (Plan(dp_shard=2, tp=2, ep=2, microbatch=2), None)}
+SLOW = {"dp2xtp2", "cp2xtp2", "pp2xtp2", "dp2xtp2xep2",      # four processes
+        "tp2_q0", "tp2_compile"}                              # the variants of the quick tp2 case
 
 
 def _layouts():
