@@ -54,6 +54,11 @@ framework):
   llm-foundry benchmarks: Composer + PyTorch FSDP1) and llama3-meta (the Llama 3 paper: "DP
   stands for FSDP") use the fsdp2 layout, eager (compile=False: neither states a compiler), the
   'op' selective policy; FULL_SHARD -> reshard_after_forward=True, SHARD_GRAD_OP -> False.
+  llama3-meta, from the paper's Sec. 3.3.2 (arXiv:2407.21783): reshard_after_forward=False ("for model
+  shards we do not reshard after forward computation") and, with pp > 1, Interleaved1F1B ("we use an
+  interleaved schedule with V pipeline stages on one pipeline rank"), V one layer per chunk (removing
+  one layer from the first stage leaves its first chunk "only the embedding"): V = (L + 2) / PP,
+  capped at L // PP, the most a plan splits (405B, PP 16: 8 -> 7).
 * gradient dtype and loss kernel, by framework (Workload.grad_dtype / loss_impl):
   - nemo and mbridge: bf16 main gradients and the fused cross-entropy.  NeMo 1.0 configs (24.07 era):
     `optim: distributed_fused_adam` with `grad_sync_dtype: bf16` and `cross_entropy_loss_fusion: true`
@@ -254,6 +259,10 @@ def build_case(row) -> Case:
     schedule, v = ("1F1B", 1)
     if pp > 1 and vpp and int(vpp) > 1:
         schedule, v = "Interleaved1F1B", int(vpp)
+    elif pp > 1 and source == "llama3-meta":
+        # the paper's interleaved schedule: its first chunk holds only the embedding once one layer is
+        # removed, so a chunk is one layer: V = (L + 2) / PP, capped at the L // PP a plan can split
+        schedule, v = "Interleaved1F1B", max(1, min((model.n_layers + 2) // pp, model.n_layers // pp))
     korthikanti = source == "korthikanti"
     materialized = source in MATERIALIZED
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
@@ -279,6 +288,8 @@ def build_case(row) -> Case:
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
+    if source == "llama3-meta":
+        reshard = False    # the paper: "for model shards we do not reshard after forward computation"
     plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
                 schedule=schedule, stages_per_rank=v, ac=ac or "none", compile=compile_, float8=f8,
                 reshard_after_forward=reshard, runnable=False)    # a what-if, as `titan-plan estimate`
