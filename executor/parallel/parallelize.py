@@ -107,7 +107,7 @@ def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | No
 def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | None = None) -> str:
     """The backend a run uses for the plan's ``backend`` knob.
 
-    ``spmd_types`` (the default) runs every axis -- FSDP/HSDP, TP/SP (dense and MoE blocks), CP,
+    ``spmd_types`` (the default) runs every axis -- FSDP/HSDP, TP/SP (dense, MoE and MLA blocks), CP,
     EP and PP -- eager or with per-block compile (erasure mode: the typed collectives run as
     eager islands between the compiled regions): typed local parameters, explicit typed
     collectives (``fsdp.py``, ``spmd_*.py``).  Elsewhere (:func:`spmd_plan_unsupported`) the run
