@@ -6,11 +6,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from executor.config import ConfigError, load_run_config
+from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
+from search_spaces.plan import Plan
 from executor.data import DataError
 from tests.distributed.harness import ROOT, env, titan_run_cmd
 
@@ -310,3 +313,16 @@ def test_failing_rank_fails_the_run_without_hanging(tmp_path):
     assert "[rank 1] RuntimeError: injected fault" in p.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "error"
+
+
+def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(capsys):
+    """Float8 with TP is the one piece spmd_types lacks here (torchao's float8 TP exists only as DTensor
+    styles): the run takes dtensor and says so in one line naming it; never silently."""
+    plan = Plan(dp_shard=2, tp=2, float8=True)
+    assert "float8 with tensor parallel" in spmd_plan_unsupported(plan)
+    assert spmd_plan_unsupported(Plan(dp_shard=2, tp=2)) is None
+    assert resolve_backend(plan, SimpleNamespace(spmd_dp=None), announce=True) == "dtensor"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: float8"), err
+    assert resolve_backend(Plan(dp_shard=2, tp=2), SimpleNamespace(spmd_dp=None), announce=True) == "spmd_types"
+    assert capsys.readouterr().err == ""
