@@ -70,6 +70,29 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, 
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    overlap_all_gathers(model, mesh.device_type)
+
+
+def overlap_all_gathers(model: nn.Module, device_type: str) -> None:
+    """On CPU (gloo), issue each block's all-gather one block ahead and asynchronously.
+
+    FSDP2 overlaps its all-gathers with compute through CUDA streams; on CPU there are none, so
+    every pre-forward / pre-backward all-gather blocks the training thread (``unshard_async_op``
+    False), prefetched or not.  Here the root's forward prefetches block 0 and block i prefetches
+    block i+1 (as TorchTitan sets up for EP), and the unshards are async, so gloo moves block i+1
+    while block i computes -- also in backward, where FSDP2 prefetches the previous block
+    implicitly.  At most two blocks are gathered at a time, as in backward before (the memory
+    model's current + prefetched unit); values are unchanged.  GPUs keep FSDP2's stream schedule
+    (measured, FSDP 2 on 2 gloo ranks, llama3 debugmodel, in-process alternating rounds: 607 ->
+    597 ms per step, paired ratio 1.026)."""
+    blocks = [b for b in model.layers.values() if hasattr(b, "set_modules_to_forward_prefetch")]
+    set_async = getattr(model, "_set_unshard_async_op", None)     # private in torch 2.14
+    if device_type != "cpu" or not blocks or set_async is None:
+        return
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    for block, nxt in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([nxt])
+    set_async(True)
 
 
 # --------------------------------------------------------------------------- spmd_types
@@ -161,6 +184,7 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
         fully_shard(block, mesh=spmd_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     dp_mesh_dims=dims)
     fully_shard(model, mesh=spmd_mesh, reshard_after_forward=False, mp_policy=mp, dp_mesh_dims=dims)
+    overlap_all_gathers(model, spmd_mesh.device_type)
 
 
 @contextlib.contextmanager
