@@ -34,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .models.moe import MoEFeedForward
+
 __all__ = ["RoutingValues", "balanced_routing"]
 
 # the largest integer tensor whose values are carried (the routing bookkeeping holds tokens * top_k entries)
@@ -111,6 +113,7 @@ class RoutingValues(TorchDispatchMode):
 
 
 def _balanced_ids(mode: RoutingValues, idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Expert ids [tokens, k] of the balanced routing, ``(token * k + slot) mod E``, carrying their values."""
     tokens, k = idx.shape
     with no_dispatch():      # a real tensor (the hook runs inside the fake mode)
         real = (torch.arange(tokens * k, dtype=idx.dtype) % n_experts).view(tokens, k)
@@ -134,8 +137,7 @@ def _alike_exchange(mode: RoutingValues, exchange, ep_rank: int):
 @contextlib.contextmanager
 def balanced_routing(stages, fake_mode):
     """Inside `fake_mode`: every MoE layer of `stages` routes balanced, its bookkeeping integers known."""
-    layers = [m for _, stage in stages for m in stage.modules()
-              if hasattr(m, "router") and hasattr(m, "experts") and hasattr(m.router, "n_experts")]
+    layers = [m for _, stage in stages for m in stage.modules() if isinstance(m, MoEFeedForward)]
     if not layers:
         yield None
         return

@@ -268,7 +268,7 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
     hidden_shape = (plan.microbatch, seq_local // plan.tp if plan.tp > 1 else seq_local, cfg.spec.dim)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode, _own_propagation_mode(), balanced_routing(stages, fake_mode) as routing:
+    with fake_mode, _own_propagation_mode(), balanced_routing(stages, fake_mode):
         for _, m in stages:
             m.to_empty(device="cpu")
         schedule = None
