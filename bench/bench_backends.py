@@ -1,13 +1,14 @@
 """Tokens/s of the two backends on the same plan: ``spmd_types`` vs ``dtensor``, eager and with compile.
 
-For each layout (FSDP 2, TP 2, FSDP 2 x TP 2, each eager and with per-block compile, and CP 2 x TP 2 eager, by
-default) both backends train the same model
-(llama3-debug, seq 512, local batch 2 per data-parallel rank, fp32, gloo on CPU) with
-real `titan-run` runs, alternating backend after backend (and which one goes first
-each round) so drift hits both alike.  A run's figure is the median tokens/s per
-device of its steps after the warm-up steps; each backend's figure is the median of
-its runs (>= 5).  Every run must report the backend it was asked for (no fallback).
-Prints each run, then the medians, and last the ratio spmd_types / dtensor per layout.
+For each layout (FSDP 2, TP 2, FSDP 2 x TP 2, CP 2 x TP 2, each eager and with per-block compile, and
+the mixture-of-experts rows FSDP 2 x EP 2 and FSDP 2 x TP 2 x EP 2 eager on moe-debug, by default) both
+backends train the same model (llama3-debug, or moe-debug for the EP rows; seq 512, local batch 2 per
+data-parallel rank, fp32, gloo on CPU) with real `titan-run` runs, alternating backend after backend (and
+which one goes first each round) so drift hits both alike.  A run's figure is the median tokens/s per
+device of its steps after the warm-up steps; each backend's figure is the median of its runs (>= 5).
+Every run must report the backend it was asked for (no fallback).  Prints the machine's load average
+before and after (the host may be shared: a load above its cores makes the figures soft, and the output
+says so), each run, then the medians, and last the ratio spmd_types / dtensor per layout.
 
     python bench/bench_backends.py [--runs 5] [--steps 8] [--warmup 3] [--layouts tp2,tp2_compile]
 
@@ -35,11 +36,28 @@ from search_spaces.plan import Plan  # noqa: E402
 LOCAL_BATCH = 2
 EAGER = {"dp2": Plan(dp_shard=2, microbatch=LOCAL_BATCH),
          "tp2": Plan(tp=2, microbatch=LOCAL_BATCH),
-         "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=LOCAL_BATCH)}
-# the same layouts with per-block torch.compile (spmd_types: erasure mode, the typed collectives eager)
+         "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=LOCAL_BATCH),
+         "cp2xtp2": Plan(cp=2, tp=2, microbatch=LOCAL_BATCH)}
+# the same layouts with per-block torch.compile (spmd_types: erasure mode, the typed collectives eager; the
+# cp2xtp2 compile row runs since the compile caches are keyed by the process groups, parallel/compile.py)
 LAYOUTS = {**EAGER, **{f"{name}_compile": dataclasses.replace(plan, compile=True) for name, plan in EAGER.items()},
-           "cp2xtp2": Plan(cp=2, tp=2, microbatch=LOCAL_BATCH)}      # eager only (no compile row yet)
+           # expert parallel (ep carved out of dp_shard): the routed experts' all-to-alls, typed or DTensor
+           "dp2xep2": Plan(dp_shard=2, ep=2, microbatch=LOCAL_BATCH),
+           "dp2xtp2xep2": Plan(dp_shard=2, tp=2, ep=2, microbatch=LOCAL_BATCH)}
+MOE_MODEL = "moe-debug"      # the model of the layouts with ep > 1 (--model is the dense one)
 BACKENDS = ("spmd_types", "dtensor")
+
+
+def model_of(plan: Plan, dense_model: str) -> str:
+    return MOE_MODEL if plan.ep > 1 else dense_model
+
+
+def load_line(when: str) -> str:
+    """The 1/5/15-minute load averages against the cores; flags a loaded (shared) machine."""
+    one, five, fifteen = os.getloadavg()
+    cores = os.cpu_count() or 1
+    busy = " -- LOADED: more runnable processes than cores, the figures are soft" if one > cores else ""
+    return f"load average {when}: {one:.1f} {five:.1f} {fifteen:.1f} on {cores} cores{busy}"
 
 
 def run_once(plan: Plan, backend: str, *, model: str, seq_len: int, steps: int, warmup: int, tmp: Path) -> float:
@@ -82,19 +100,26 @@ def main() -> None:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
 
     results: dict = {name: {b: [] for b in BACKENDS} for name in layouts}
+    loads = [load_line("before")]
+    print(loads[0], flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-backends-") as tmp:
         for i in range(args.runs):
             for name in layouts:
                 order = BACKENDS if i % 2 == 0 else BACKENDS[::-1]
                 for backend in order:
-                    tps = run_once(LAYOUTS[name], backend, model=args.model, seq_len=args.seq_len,
+                    tps = run_once(LAYOUTS[name], backend, model=model_of(LAYOUTS[name], args.model),
+                                   seq_len=args.seq_len,
                                    steps=args.steps, warmup=args.warmup, tmp=Path(tmp))
                     results[name][backend].append(tps)
                     print(f"run {i + 1}/{args.runs} {name:16s} {backend:10s} {tps:8.1f} tokens/s/device", flush=True)
-    print(f"\n{args.model}, seq {args.seq_len}, local batch {LOCAL_BATCH}, fp32, gloo; median of {args.runs} runs "
+    loads.append(load_line("after"))
+    print(f"\n{', '.join(sorted({model_of(LAYOUTS[n], args.model) for n in layouts}))}, seq {args.seq_len}, "
+          f"local batch {LOCAL_BATCH}, fp32, gloo; median of {args.runs} runs "
           f"({args.steps} steps, first {args.warmup} left out), tokens/s per device:")
+    print("\n".join(f"  {line}" for line in loads))
     for name in layouts:
-        print(f"  {name:16s} " + "  ".join(f"{b} {statistics.median(results[name][b]):8.1f}" for b in BACKENDS))
+        print(f"  {name:16s} {model_of(LAYOUTS[name], args.model):13s} "
+              + "  ".join(f"{b} {statistics.median(results[name][b]):8.1f}" for b in BACKENDS))
     print("spmd_types / dtensor: " + ", ".join(
         f"{name} {statistics.median(results[name]['spmd_types']) / statistics.median(results[name]['dtensor']):.3f}x"
         for name in layouts))
