@@ -322,9 +322,17 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if wl.norm_impl != "auto":
         raise ConfigError(f"workload key 'norm_impl' is {show(wl.norm_impl)}, but titan-run's norm is eager, "
                           "fused under compile (auto; that key describes other frameworks to the planner)")
-    if not wl.tp_keeps_gathered:
-        raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)}, but titan-run's tensor "
-                          "parallel keeps the gathered inputs (auto or gathered; that key describes other frameworks)")
+    if not wl.tp_keeps_gathered and plan.tp > 1:    # sharded: spmd_tensor_parallel keeps the sequence shards
+        if plan.backend != "spmd_types":
+            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with backend "
+                              f"{show(plan.backend)}: sequence shards are kept on backend spmd_types only "
+                              "(set backend: spmd_types, or tp_activations: gathered)")
+        if plan.compile:
+            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with compile: sequence "
+                              "shards are kept in eager mode only (set compile: false, or tp_activations: gathered)")
+        if plan.ac == "selective":
+            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with ac 'selective': "
+                              "sequence shards are kept with ac none or full (or set tp_activations: gathered)")
     if wl.grad_accum_mode != "autograd":
         raise ConfigError(f"workload key 'grad_accum' is {show(wl.grad_accum)}, but titan-run accumulates "
                           "gradients with autograd (auto or autograd; that key describes other frameworks)")

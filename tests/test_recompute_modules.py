@@ -134,8 +134,7 @@ def test_bad_values_are_one_line_exit_2(args, message):
     assert r.returncode == 2 and "--tp-activations: invalid choice: 'half'" in r.stderr
 
 
-@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "op"), ("norm_impl", "fused"),
-                                       ("tp_activations", "sharded")])
+@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "op"), ("norm_impl", "fused")])
 def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
     from executor.config import ConfigError, load_run_config
     f = tmp_path / "plan.yaml"
@@ -144,6 +143,33 @@ def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
     with pytest.raises(ConfigError) as ei:
         load_run_config(str(f), [], world_size=2)
     assert f"workload key '{key}'" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def _run_config(tmp_path, plan: dict, **workload):
+    from executor.config import load_run_config
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": plan,
+                                 "workload": {"seq_len": 64, "global_batch": 4, **workload}}))
+    return load_run_config(str(f), [], world_size=2)
+
+
+@pytest.mark.parametrize("plan,allowed", [
+    ({"tp": 2, "microbatch": 4, "backend": "dtensor"}, "on backend spmd_types only"),
+    ({"tp": 2, "microbatch": 4, "compile": True}, "in eager mode only"),
+    ({"tp": 2, "microbatch": 4, "ac": "selective"}, "with ac none or full"),
+])
+def test_titan_run_keeps_sequence_shards_on_spmd_types_eager_without_selective_ac(tmp_path, plan, allowed):
+    # tests/distributed/test_spmd_tp_sharded.py runs it (exactly the gathered run's losses, fewer saved bytes)
+    from executor.config import ConfigError
+    with pytest.raises(ConfigError) as ei:
+        _run_config(tmp_path, plan, tp_activations="sharded")
+    msg = str(ei.value)
+    assert msg.startswith("workload key 'tp_activations' is 'sharded' with ") and allowed in msg and "\n" not in msg
+    for ok in ({"tp": 2, "microbatch": 4}, {"tp": 2, "microbatch": 4, "ac": "full"},
+               {"dp_shard": 2, "microbatch": 2, "backend": "dtensor"}):      # tp 1: nothing gathered
+        assert _run_config(tmp_path, ok, tp_activations="sharded").workload.tp_keeps_gathered is False
+    assert _run_config(tmp_path, plan, tp_activations="gathered").workload.tp_keeps_gathered   # and auto, as today
+    assert _run_config(tmp_path, plan).workload.tp_keeps_gathered
 
 
 def test_norm_impl_fused_keeps_the_input_only():

@@ -128,13 +128,21 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
     return "dtensor"
 
 
-def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor"
-                ) -> nn.Module:
-    """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place."""
+def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
+                tp_activations: str = "gathered") -> nn.Module:
+    """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place.
+
+    `tp_activations` (the workload key, resolved: ``gathered`` | ``sharded``) is what TP blocks keep of
+    their all-gathered inputs (``spmd_tensor_parallel``); ``sharded`` runs on spmd_types in eager mode,
+    with ac none (with ac full the checkpointed blocks save nothing inside: it changes nothing)."""
     if plan.float8:
         apply_float8(module)
-    if plan.tp > 1 and backend == "spmd_types":
-        apply_spmd_tp(module, meshes.tp)
+    if tp_activations == "sharded" and plan.tp > 1 and (backend != "spmd_types" or plan.compile
+                                                        or plan.ac == "selective"):
+        raise ValueError(f"tp_activations 'sharded' runs on backend spmd_types without compile and without "
+                         f"selective ac, not with backend {backend!r}, compile {plan.compile}, ac {plan.ac!r}")
+    if plan.tp > 1 and backend == "spmd_types":     # under ac full a checkpointed block saves nothing inside
+        apply_spmd_tp(module, meshes.tp, tp_activations=tp_activations if plan.ac == "none" else "gathered")
     elif plan.tp > 1:
         apply_tp(module, meshes.tp, loss_parallel=True, shard_embedding=tp_shards_embedding(plan))
     if plan.cp > 1 and backend == "spmd_types":
@@ -163,11 +171,13 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
 
 
 def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
-                      device: torch.device | None = None, seed: int = 0) -> list[tuple[int, nn.Module]]:
+                      device: torch.device | None = None, seed: int = 0,
+                      workload=None) -> list[tuple[int, nn.Module]]:
     """This rank's model parts, ``[(stage index, module)]`` (``[(0, model)]`` without PP), parallelized.
 
     Built on the meta device, split into this rank's pipeline stages, each stage parallelized
-    (:func:`parallelize`).  With `device` the parameters are then materialized there and
+    (:func:`parallelize`; from `workload`, a ``cost_models.workload.Workload``, its ``tp_activations``:
+    ``gathered`` without one).  With `device` the parameters are then materialized there and
     initialized from `seed`, the same full values for every layout; without it they stay on
     the meta device (dry run, self-test: shapes and placements only).
     """
@@ -175,8 +185,9 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
         model = Transformer(spec)
     init_rule = model.init_rule
     stages = pipeline_split(model, plan, meshes.pp) if plan.pp > 1 else [(0, model)]
+    tp_activations = "gathered" if workload is None or workload.tp_keeps_gathered else "sharded"
     for _, module in stages:
-        parallelize(module, plan, meshes, precision=precision, backend=backend)
+        parallelize(module, plan, meshes, precision=precision, backend=backend, tp_activations=tp_activations)
     if device is not None:
         for _, module in stages:
             module.to_empty(device=device)

@@ -41,6 +41,15 @@ head dimension: their weights are R and they run on the all-gathered (R) sequenc
 are R -- the rotary key ``k_pe`` that ``wkv_a`` makes is one R tensor shared by the local heads
 (R joins V: V).  Each tp rank back-propagates through its own heads only, so their gradients are
 pending sums (R's backward type is P), reduced like the norms'.
+
+What a block keeps of its all-gathered inputs (workload key ``tp_activations``): ``gathered``
+(the default) lets every column-wise linear save the all-gathered ``[b, s, dim]`` input, as
+DTensor TP does; ``sharded`` is Megatron's sequence parallelism (Korthikanti et al. 2022,
+Sec. 4.2.2): inside each module with an all-gather input boundary (``attention``,
+``feed_forward``, the LM head ``output``) a ``saved_tensors_hooks`` pair keeps only this
+rank's sequence shard in place of the gathered tensor (:class:`_SeqShard`) and all-gathers it
+again in backward, once for all the linears that saved it (wq / wk / wv, w1 / w3).  The
+re-gathered tensor is bitwise the forward's, so the gradients are the ``gathered`` run's.
 """
 from __future__ import annotations
 
@@ -190,6 +199,108 @@ def _scatter_seq(x: torch.Tensor, tp: _TP) -> torch.Tensor:
 BOUNDARY_OPS = {ALL_GATHER: _gather_seq, REDUCE_SCATTER: _scatter_seq}
 
 
+# --------------------------------------------------------------------------- tp_activations: sharded
+class _SeqShard:
+    """This rank's sequence shard of one all-gathered module input, kept for backward in its place.
+
+    :meth:`full` all-gathers it again over tp (a plain collective: backward is not typed) on the
+    first unpack and caches the result, so every node that saved the gathered tensor (or a view
+    of it) shares one re-gather; the cache goes with the last of those nodes.  `packed` is the
+    shard as the enclosing saved-tensor hooks (if any) packed it."""
+    __slots__ = ("packed", "outer_unpack", "tp", "_full")
+
+    def __init__(self, shard: torch.Tensor, tp: _TP, outer):
+        self.outer_unpack = outer[1] if outer is not None else None
+        self.packed = outer[0](shard) if outer is not None else shard
+        self.tp, self._full = tp, None
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            shard = self.packed if self.outer_unpack is None else self.outer_unpack(self.packed)
+            shard = shard.contiguous()
+            flat = shard.new_empty((self.tp.size * shard.shape[0], *shard.shape[1:]))
+            with torch.no_grad(), spmd.no_typecheck():
+                dist.all_gather_single(flat, shard, group=self.tp.group)
+                self._full = torch.cat(flat.chunk(self.tp.size, 0), dim=SEQ_DIM)   # rank order = sequence order
+        return self._full
+
+
+class _ShardView:
+    """A saved view (size, stride, offset) of a gathered input whose storage `_SeqShard.full` rebuilds."""
+    __slots__ = ("shard", "geometry")
+
+    def __init__(self, shard: _SeqShard, t: torch.Tensor):
+        self.shard, self.geometry = shard, (t.size(), t.stride(), t.storage_offset())
+
+
+class _Outer:
+    """A tensor packed by the enclosing saved-tensor hooks (e.g. a caller's), unpacked by them."""
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack):
+        self.packed, self.unpack = packed, unpack
+
+
+class _KeepShards:
+    """The saved-tensor hooks of one call of a module whose input `gathered` was all-gathered from `shard`.
+
+    pack: a tensor on the gathered tensor's storage (the tensor or a view: a linear saves its
+    input flattened to 2-D) becomes a :class:`_ShardView` on one :class:`_SeqShard`; any other
+    goes to the enclosing hooks if there are any (so they still see, e.g. count or offload, what
+    this module keeps -- the shard included), else is kept as it is.  unpack: the inverse."""
+
+    def __init__(self, shard: torch.Tensor, gathered: torch.Tensor, tp: _TP):
+        # the enclosing default hooks, to chain to (torch.utils.checkpoint reads them the same way)
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.base, self.tp = gathered if gathered._base is None else gathered._base, tp
+        self.storage = gathered.untyped_storage().data_ptr()      # 0 on the meta device: matched by base only
+        self.device = gathered.device
+        self.seq_shard: _SeqShard | None = None
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.shard = shard.detach()
+
+    def _on_gathered(self, t: torch.Tensor) -> bool:
+        if (t if t._base is None else t._base) is self.base:
+            return True
+        return (bool(self.storage) and t.layout == torch.strided and t.device == self.device
+                and t.untyped_storage().data_ptr() == self.storage)     # e.g. an _unsafe_view of it
+
+    def pack(self, t: torch.Tensor):
+        if self._on_gathered(t):
+            if self.seq_shard is None:
+                self.seq_shard = _SeqShard(self.shard, self.tp, self.outer)
+            return _ShardView(self.seq_shard, t)
+        return t if self.outer is None else _Outer(self.outer[0](t), self.outer[1])
+
+    @staticmethod
+    def unpack(x):
+        if isinstance(x, _ShardView):
+            return x.shard.full().as_strided(*x.geometry)
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
+        return x
+
+
+def _gather_keeping_shard(gather, tp: _TP):
+    """The input boundary under ``tp_activations: sharded``: (pre-hook, post-hook) that all-gather the
+    input and run the module's forward under :class:`_KeepShards` hooks."""
+    def pre(mod, args):
+        shard = args[0]
+        gathered = gather(shard, tp)
+        if (not gathered.is_contiguous() or gathered.storage_offset()
+                or gathered.untyped_storage().nbytes() != gathered.numel() * gathered.element_size()):
+            gathered = gathered.clone(memory_format=torch.contiguous_format)   # the storage full() rebuilds
+        keep = _KeepShards(shard, gathered, tp)
+        mod.__dict__.setdefault("_spmd_keep_shards", []).append(keep)
+        keep.hooks.__enter__()
+        return (gathered, *args[1:])
+
+    def post(mod, args, out):
+        keep = mod.__dict__["_spmd_keep_shards"].pop()
+        keep.hooks.__exit__(None, None, None)
+    return pre, post
+
+
 def _eager(hook):
     """A boundary hook (typed collective, ``reinterpret``) as an eager island inside a compiled block.
 
@@ -201,7 +312,7 @@ def _eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict) -> None:
+def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict, keep_shards: bool) -> None:
     for name, kind in sharding.params.items():
         p = getattr(module, name, None)
         if p is None:
@@ -228,7 +339,12 @@ def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict)
 
     if sharding.input is not None:
         gather = _boundary_op(sharding.input, "input")
-        module.register_forward_pre_hook(_eager(lambda mod, args: (gather(args[0], tp), *args[1:])))
+        if keep_shards and sharding.input == ALL_GATHER:
+            pre, post = _gather_keeping_shard(gather, tp)
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post, always_call=True)
+        else:
+            module.register_forward_pre_hook(_eager(lambda mod, args: (gather(args[0], tp), *args[1:])))
     if sharding.partial_output:
         module.register_forward_hook(
             _eager(lambda mod, args, out: spmd.reinterpret(out, tp.group, src=spmd.V, dst=spmd.P)))
@@ -243,27 +359,37 @@ def _boundary_op(name: str, where: str):
     return BOUNDARY_OPS[name]
 
 
-def _apply_table(root: nn.Module, table: dict, tp: _TP, done: dict) -> None:
+def _apply_table(root: nn.Module, table: dict, tp: _TP, done: dict, keep_shards: bool) -> None:
     for path, sharding in table.items():
         try:
             module = root.get_submodule(path)
         except AttributeError:      # absent in this model (GELU MLP has no w3) or this pipeline stage
             continue
         if module is not None:
-            _apply_one(module, sharding, tp, done)
+            _apply_one(module, sharding, tp, done, keep_shards)
+
+
+TP_ACTIVATIONS = ("gathered", "sharded")
 
 
 def apply_spmd_tp(model: nn.Module, tp_mesh: DeviceMesh, *, block_sharding: dict | None = None,
-                  root_sharding: dict | None = None) -> None:
+                  root_sharding: dict | None = None, tp_activations: str = "gathered") -> None:
     """Shard `model` (on the meta device) over `tp_mesh` as the tables say; hooks do the typed collectives.
 
     The tables default to :data:`BLOCK_SHARDING` / :data:`ROOT_SHARDING` (a test passes an
-    altered copy to show that the checker names a missing collective)."""
+    altered copy to show that the checker names a missing collective).  `tp_activations`:
+    ``gathered`` lets the linears save the all-gathered inputs, ``sharded`` keeps the sequence
+    shards and all-gathers them again in backward (module docstring; eager only: not under
+    compile, and it must not run inside selective checkpointing)."""
+    if tp_activations not in TP_ACTIVATIONS:
+        raise ValueError(f"apply_spmd_tp: tp_activations {tp_activations!r} (allowed: "
+                         f"{', '.join(map(repr, TP_ACTIVATIONS))})")
     tp = _TP(tp_mesh)
     done: dict = {}
-    _apply_table(model, ROOT_SHARDING if root_sharding is None else root_sharding, tp, done)
+    keep = tp_activations == "sharded"
+    _apply_table(model, ROOT_SHARDING if root_sharding is None else root_sharding, tp, done, keep)
     for block in model.layers.values():
-        _apply_table(block, _block_table(block) if block_sharding is None else block_sharding, tp, done)
+        _apply_table(block, _block_table(block) if block_sharding is None else block_sharding, tp, done, keep)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh,
@@ -293,5 +419,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_
 
 
 __all__ = ["BLOCK_SHARDING", "BOUNDARY_OPS", "MLA_ATTENTION_SHARDING", "MOE_BLOCK_SHARDING", "ModuleSharding",
-           "ROOT_SHARDING", "apply_spmd_tp", "spmd_tp_unsupported",
+           "ROOT_SHARDING", "TP_ACTIVATIONS", "apply_spmd_tp", "spmd_tp_unsupported",
            "vocab_parallel_cross_entropy"]
