@@ -326,7 +326,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tt-python", required=True, help="interpreter with torchtitan 0.3.0 and spmd_types 0.2.3")
     ap.add_argument("--ours-python", default=sys.executable)
-    ap.add_argument("--ours-src", type=Path, action="append", help="checkout(s) of this project to run (default: this one)")
+    ap.add_argument("--ours-src", type=Path, action="append",
+                    help="checkout(s) of this project to run (default: this one)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_torchtitan")
     ap.add_argument("--shim", type=Path, default=SHARED_TT / "torchtitan_cpu_shim.py")
     ap.add_argument("--configs", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -389,7 +390,8 @@ def main() -> None:
     print(f"\n== tokens/s per rank (median over steps {a.from_step}..{a.steps}, then over runs) ==")
     loads = [m["other_cores"] for m in results if m["other_cores"] is not None]
     print(f"machine: {os.cpu_count()} cores; the rest of the machine used {statistics.median(loads):.2f} cores "
-          f"(median over runs, max {max(loads):.2f}); load1 median {statistics.median(m['load1'] for m in results):.2f}")
+          f"(median over runs, max {max(loads):.2f}); "
+          f"load1 median {statistics.median(m['load1'] for m in results):.2f}")
     for cfg in a.configs:
         for lab in [tt_label, *labels]:
             ms = [m for m in results if m["cfg"] == cfg and m["label"] == lab]
