@@ -256,7 +256,6 @@ class _KeepShards:
         self.storage = gathered.untyped_storage().data_ptr()      # 0 on the meta device: matched by base only
         self.device = gathered.device
         self.seq_shard: _SeqShard | None = None
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.shard = shard.detach()
 
     def _on_gathered(self, t: torch.Tensor) -> bool:
@@ -271,6 +270,12 @@ class _KeepShards:
                 self.seq_shard = _SeqShard(self.shard, self.tp, self.outer)
             return _ShardView(self.seq_shard, t)
         return t if self.outer is None else _Outer(self.outer[0](t), self.outer[1])
+
+    def close(self) -> None:
+        """After the module's forward: drop the gathered tensor and the shard (only the saved _SeqShard keeps
+        that), since torch's saved variables hold on to this object through their pack hook."""
+        self.base = self.shard = self.seq_shard = self.outer = None
+        self.storage = 0
 
     @staticmethod
     def unpack(x):
@@ -291,13 +296,15 @@ def _gather_keeping_shard(gather, tp: _TP):
                 or gathered.untyped_storage().nbytes() != gathered.numel() * gathered.element_size()):
             gathered = gathered.clone(memory_format=torch.contiguous_format)   # the storage full() rebuilds
         keep = _KeepShards(shard, gathered, tp)
-        mod.__dict__.setdefault("_spmd_keep_shards", []).append(keep)
-        keep.hooks.__enter__()
+        hooks = torch.autograd.graph.saved_tensors_hooks(keep.pack, keep.unpack)
+        mod.__dict__.setdefault("_spmd_keep_shards", []).append((hooks, keep))
+        hooks.__enter__()
         return (gathered, *args[1:])
 
     def post(mod, args, out):
-        keep = mod.__dict__["_spmd_keep_shards"].pop()
-        keep.hooks.__exit__(None, None, None)
+        hooks, keep = mod.__dict__["_spmd_keep_shards"].pop()
+        hooks.__exit__(None, None, None)
+        keep.close()
     return pre, post
 
 
