@@ -69,7 +69,7 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool, announce: bool = F
         # bf16 compute with fp32 master weights (the accelerator target) unless the run or workload says fp32
         precision = resolve_precision(cfg, accelerator=True)
         backend = resolve_backend(plan, meshes, announce=announce, spec=cfg.spec)
-        stages = build_model_parts(cfg.spec, plan, meshes, precision=precision, backend=backend)
+        stages = build_model_parts(cfg.spec, plan, meshes, precision=precision, backend=backend, workload=cfg.workload)
         params = [p for _, m in stages for p in m.parameters()]
         n_local = sum(_local_numel(p) for p in params)
         trainable = sum(_local_numel(p) for p in params if p.requires_grad)

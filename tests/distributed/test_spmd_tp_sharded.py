@@ -14,12 +14,16 @@ MemTracker (every live storage) shows the step's peak lower by about that much p
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from cost_models.activations import FULL, FULL_TP, SEQ, SEQ_TP, SHARD, layer_activation_terms
@@ -30,7 +34,7 @@ from executor.parallel import spmd_step
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_matches_single_process, run_on_its_backend
+from tests.distributed.harness import ROOT, assert_matches_single_process, env, run_on_its_backend
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SHARDED = {"workload.tp_activations": "sharded"}
@@ -134,3 +138,19 @@ def test_unknown_tp_activations_value_is_refused():
     from executor.parallel.spmd_tensor_parallel import apply_spmd_tp
     with pytest.raises(ValueError, match=r"tp_activations 'half' \(allowed: 'gathered', 'sharded'\)"):
         apply_spmd_tp(torch.nn.Module(), None, tp_activations="half")
+
+
+@needs_spmd
+def test_dry_run_builds_the_sharded_regime(tmp_path):
+    # titan-run --dry-run builds the model as a run does (workload included): its FakeTensor step peak drops
+    peaks = {}
+    for mode in ("gathered", "sharded"):
+        f = tmp_path / f"{mode}.yaml"
+        f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 4, "tp": 2, "microbatch": 2},
+                                     "workload": {"seq_len": 256, "global_batch": 8, "tp_activations": mode}}))
+        r = subprocess.run([sys.executable, "-m", "executor.cli", "--dry-run", "--plan", str(f), "--json", "--memory"],
+                           capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        peaks[mode] = json.loads(r.stdout.strip().splitlines()[-1])["ranks"][0]["memory_estimate"]["act"]
+    per_tensor = 2 * 256 * load_model("llama3-debug").dim * 2 // 2        # bf16 [b, s, dim] x (tp - 1) / tp
+    assert peaks["gathered"] - peaks["sharded"] >= load_model("llama3-debug").n_layers * per_tensor, peaks
