@@ -28,6 +28,16 @@ CPU time side by side.
     python bench/bench_vs_torchtitan.py --tt-python VENV/bin/python [--work DIR] [--configs fsdp2 tp2]
         [--reps 3] [--steps 20] [--from 4] [--ours-src DIR ...] [--nice -10] [--profile] [--profile-only]
 
+Measured 2026-12-01 on the shared 2-core machine (load1 4-48, the rest of the machine using
+0.7-1.6 cores during the runs, so wall figures swing 0.5-3.6x between rounds; CPU ms per step
+is the steadier figure), medians of 3 alternating rounds, 20 steps, TorchTitan spmd_types / ours
+before (eadc681) / ours after (fused AdamW on CPU, cached spmd step types, async FSDP prefetch):
+CPU ms per step FSDP 2 584 / 578 / 566, TP 2 385 / 387 / 379; CPU-work ratio TT/ours before ->
+after: FSDP 2 1.014 -> 1.050 (another run 0.941 -> 1.011), TP 2 0.996 -> 1.042 (1.033 -> 1.056).
+Per-step profile (rank 0, counts exact, FSDP 2): aten ops TT 6,028 / ours before 7,795 / after
+6,447; copies and casts 1,094 / 1,555 / 1,076; all-gathers 17 / 14 / 14 (ours: 13 FSDP + the
+metrics gather), reduce-scatters 9 / 7 / 7.
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
