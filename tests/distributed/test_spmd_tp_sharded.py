@@ -38,7 +38,11 @@ from tests.distributed.harness import ROOT, assert_matches_single_process, env, 
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SHARDED = {"workload.tp_activations": "sharded"}
-LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2)}
+LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
+           "cp2xtp2": Plan(cp=2, tp=2, microbatch=4),     # the ring attention inside the attention module
+           # the zero-bubble schedule: backward split into an input- and a weight-gradient step (graph retained)
+           "pp2xtp2_zbv": Plan(pp=2, tp=2, microbatch=1, n_microbatches=4, schedule="ZBVZeroBubble",
+                               stages_per_rank=2)}
 
 
 _RUNS: dict = {}
@@ -57,7 +61,7 @@ def _run(layout: str, tp_activations: str):
 
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["tp2", pytest.param("dp2xtp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["tp2", *(pytest.param(k, marks=pytest.mark.slow) for k in LAYOUTS if k != "tp2")])
 def test_sharded_matches_single_process_and_equals_gathered(layout):
     sharded = _run(layout, "sharded")           # within 1e-4 of one process (run_on_its_backend)
     gathered = _run(layout, "gathered")
