@@ -207,16 +207,19 @@ class _SeqShard:
     first unpack and caches the result, so every node that saved the gathered tensor (or a view
     of it) shares one re-gather; the cache goes with the last of those nodes.  `packed` is the
     shard as the enclosing saved-tensor hooks (if any) packed it."""
-    __slots__ = ("packed", "outer_unpack", "tp", "_full")
+    __slots__ = ("packed", "outer_unpack", "tp", "_full", "version")
 
     def __init__(self, shard: torch.Tensor, tp: _TP, outer):
         self.outer_unpack = outer[1] if outer is not None else None
         self.packed = outer[0](shard) if outer is not None else shard
-        self.tp, self._full = tp, None
+        self.tp, self._full, self.version = tp, None, shard._version
 
     def full(self) -> torch.Tensor:
         if self._full is None:
             shard = self.packed if self.outer_unpack is None else self.outer_unpack(self.packed)
+            if shard._version != self.version:      # what autograd checks for the tensors it saves itself
+                raise RuntimeError("tp_activations sharded: the sequence shard of an all-gathered input was "
+                                   "modified in place after forward, so backward cannot gather it again")
             shard = shard.contiguous()
             flat = shard.new_empty((self.tp.size * shard.shape[0], *shard.shape[1:]))
             with torch.no_grad(), spmd.no_typecheck():
