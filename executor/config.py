@@ -330,6 +330,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         if plan.compile:
             raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with compile: sequence "
                               "shards are kept in eager mode only (set compile: false, or tp_activations: gathered)")
+        if plan.float8:    # float8 with TP runs on dtensor (parallelize.spmd_plan_unsupported)
+            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with float8: float8 with "
+                              "tensor parallel runs on backend dtensor, which keeps the gathered inputs (set float8: "
+                              "false, or tp_activations: gathered)")
         if plan.ac == "selective":
             raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with ac 'selective': "
                               "sequence shards are kept with ac none or full (or set tp_activations: gathered)")

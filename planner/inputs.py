@@ -46,8 +46,9 @@ WORKLOAD_HELP = {
     "recompute_modules": "with --selective-ac modules: comma-separated Megatron-core submodules to recompute, "
                          "of core_attn (default), layernorm, mla_up_proj, mlp, moe_act, moe, shared_experts",
     "tp_activations": "what a TP block keeps of its gathered tensors: auto (default: gathered for fsdp2, sharded "
-                      "for megatron), gathered (DTensor-style TP, this executor) or sharded (Megatron SP: the "
-                      "sequence shard, all-gathered again in backward)",
+                      "for megatron), gathered (DTensor-style TP, titan-run's default) or sharded (Megatron SP: the "
+                      "sequence shard, all-gathered again in backward; titan-run runs it on spmd_types, eager, "
+                      "ac none or full)",
     "norm_impl": "norm kernel: auto (default: fused when compiled, else eager), eager (keeps the fp32 upcast "
                  "and the normalized output) or fused (one kernel keeping its input: Apex/TE/Triton)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
