@@ -185,6 +185,12 @@ def assert_close_per_step(got: list[float], want: list[float], rtol: float = 1e-
             f"step {i + 1}: {what} {g!r} vs reference {w!r} (rel {abs(g - w) / abs(w):.2e})"
 
 
+def assert_backends_agree(a: TitanRun, b: TitanRun, rtol: float = 1e-5) -> None:
+    """The spmd_types run `a` and the dtensor run `b` of one plan: loss and grad norm per step within `rtol`."""
+    assert_close_per_step(a.losses, b.losses, rtol, "loss (spmd_types vs dtensor)")
+    assert_close_per_step(a.grad_norms, b.grad_norms, rtol, "grad norm (spmd_types vs dtensor)")
+
+
 _BACKEND_RUNS: dict = {}
 
 

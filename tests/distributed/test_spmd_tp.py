@@ -28,7 +28,7 @@ from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts, resolve_backend, spmd_plan_unsupported
 from executor.parallel.spmd_tensor_parallel import BLOCK_SHARDING, BOUNDARY_OPS
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
@@ -54,8 +54,7 @@ def test_tp_matches_single_process(layout, backend):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_backends_match_each_other(layout):
     a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
-    assert_close_per_step(a.losses, b.losses, 1e-5, "loss (spmd_types vs dtensor)")
-    assert_close_per_step(a.grad_norms, b.grad_norms, 1e-5, "grad norm (spmd_types vs dtensor)")
+    assert_backends_agree(a, b)
 
 
 # --------------------------------------------------------------------------- the checker (one process, fake PG)
