@@ -285,6 +285,44 @@ def default_plan_dict(given: dict, world_size: int, global_batch: Any) -> dict:
 
 
 # --------------------------------------------------------------------------- validation
+# workload keys that describe other frameworks to the planner: (key, titan-run runs it, what titan-run does)
+_OTHER_FRAMEWORKS = (
+    ("selective_ac", lambda wl: wl.selective_ac == "matmul",
+     "titan-run's selective checkpointing keeps every matmul output (matmul"),
+    ("norm_impl", lambda wl: wl.norm_impl == "auto", "titan-run's norm is eager, fused under compile (auto"),
+    ("grad_accum", lambda wl: wl.grad_accum_mode == "autograd",
+     "titan-run accumulates gradients with autograd (auto or autograd"),
+    ("loss_impl", lambda wl: wl.loss_mode == "eager", "titan-run computes the loss on fp32-upcast logits (eager"),
+)
+
+
+def _check_workload_runs(wl, plan: Plan) -> None:
+    """Refuse, in one line, a workload key whose value titan-run does not run itself."""
+    if wl.state_layout != "fsdp2":
+        raise ConfigError(f"workload key 'state_layout' is '{wl.state_layout}', but titan-run keeps its state as "
+                          "fsdp2 (the other layouts describe other frameworks to the planner)")
+    if wl.attention_impl != "fused" or wl.dropout:
+        key = "attention_impl" if wl.attention_impl != "fused" else "dropout"
+        raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
+                          "without dropout (that key describes other frameworks to the planner)")
+    for key, runs, does in _OTHER_FRAMEWORKS:
+        if not runs(wl):
+            raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but {does}; that key describes "
+                              "other frameworks to the planner)")
+    if not wl.tp_keeps_gathered and plan.tp > 1:    # sharded: spmd_tensor_parallel keeps the sequence shards
+        for bad, why in (
+                (plan.backend != "spmd_types",
+                 f"backend {show(plan.backend)}: sequence shards are kept on backend spmd_types only (set backend: "
+                 "spmd_types, or"),
+                (plan.compile, "compile: sequence shards are kept in eager mode only (set compile: false, or"),
+                (plan.float8, "float8: float8 with tensor parallel runs on backend dtensor, which keeps the "
+                              "gathered inputs (set float8: false, or"),
+                (plan.ac == "selective", "ac 'selective': sequence shards are kept with ac none or full (or")):
+            if bad:
+                raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with {why} set "
+                                  "tp_activations: gathered)")
+
+
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Every check that can run before a process group exists."""
     plan, spec = cfg.plan, cfg.spec
@@ -309,40 +347,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if wl.seq_len > spec.max_seq_len:
         raise ConfigError(f"workload key 'seq_len' ({wl.seq_len}) is more than model '{spec.name}' allows "
                           f"(max_seq_len {spec.max_seq_len})")
-    if wl.state_layout != "fsdp2":
-        raise ConfigError(f"workload key 'state_layout' is '{wl.state_layout}', but titan-run keeps its state as "
-                          "fsdp2 (the other layouts describe other frameworks to the planner)")
-    if wl.attention_impl != "fused" or wl.dropout:
-        key = "attention_impl" if wl.attention_impl != "fused" else "dropout"
-        raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
-                          "without dropout (that key describes other frameworks to the planner)")
-    if wl.selective_ac != "matmul":
-        raise ConfigError(f"workload key 'selective_ac' is {show(wl.selective_ac)}, but titan-run's selective "
-                          "checkpointing keeps every matmul output (matmul; that key describes other frameworks)")
-    if wl.norm_impl != "auto":
-        raise ConfigError(f"workload key 'norm_impl' is {show(wl.norm_impl)}, but titan-run's norm is eager, "
-                          "fused under compile (auto; that key describes other frameworks to the planner)")
-    if not wl.tp_keeps_gathered and plan.tp > 1:    # sharded: spmd_tensor_parallel keeps the sequence shards
-        if plan.backend != "spmd_types":
-            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with backend "
-                              f"{show(plan.backend)}: sequence shards are kept on backend spmd_types only "
-                              "(set backend: spmd_types, or tp_activations: gathered)")
-        if plan.compile:
-            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with compile: sequence "
-                              "shards are kept in eager mode only (set compile: false, or tp_activations: gathered)")
-        if plan.float8:    # float8 with TP runs on dtensor (parallelize.spmd_plan_unsupported)
-            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with float8: float8 with "
-                              "tensor parallel runs on backend dtensor, which keeps the gathered inputs (set float8: "
-                              "false, or tp_activations: gathered)")
-        if plan.ac == "selective":
-            raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with ac 'selective': "
-                              "sequence shards are kept with ac none or full (or set tp_activations: gathered)")
-    if wl.grad_accum_mode != "autograd":
-        raise ConfigError(f"workload key 'grad_accum' is {show(wl.grad_accum)}, but titan-run accumulates "
-                          "gradients with autograd (auto or autograd; that key describes other frameworks)")
-    if wl.loss_mode != "eager":
-        raise ConfigError(f"workload key 'loss_impl' is {show(wl.loss_impl)}, but titan-run computes the loss on "
-                          "fp32-upcast logits (eager; that key describes other frameworks to the planner)")
+    _check_workload_runs(wl, plan)
     if cfg.train.warmup > cfg.train.steps:
         pass  # allowed: the run stays in warmup
     if plan.pp > 1 and not _module_exists("executor.parallel.pipeline"):
