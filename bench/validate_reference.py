@@ -261,8 +261,8 @@ def build_case(row) -> Case:
         schedule, v = "Interleaved1F1B", int(vpp)
     elif pp > 1 and source == "llama3-meta":
         # the paper's interleaved schedule: its first chunk holds only the embedding once one layer is
-        # removed, so a chunk is one layer: V = (L + 2) / PP, capped at the L // PP a plan can split
-        schedule, v = "Interleaved1F1B", max(1, min((model.n_layers + 2) // pp, model.n_layers // pp))
+        # removed, so a chunk is one layer: V = (L + 2) / PP, more than the L // PP a plan can split
+        schedule, v = "Interleaved1F1B", max(1, model.n_layers // pp)
     korthikanti = source == "korthikanti"
     materialized = source in MATERIALIZED
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"

@@ -148,13 +148,12 @@ def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, lin: float)
     experts' dispatched inputs and outputs, shared experts, routed experts' activation outputs]."""
     fused_mlp = workload.state_layout == "megatron"   # Megatron's fused bias-SwiGLU (compiled) keeps the fc2 input
     if not moe:
-        return np.array([_saved_ffn_bytes(model, model.ffn_hidden, e, lin, compiled, fused_mlp), 0.0, 0.0, 0.0])
+        return np.array([sum(_saved_ffn_parts(model, model.ffn_hidden, e, lin, compiled, fused_mlp)), 0.0, 0.0, 0.0])
     k, w = model.top_k, model.moe_ffn_hidden
-    act_out = lin * w if (not compiled or fused_mlp or model.mlp != "swiglu") else 0.0   # the fc2 input
-    experts = k * (_saved_ffn_bytes(model, w, e, lin, compiled, fused_mlp) - act_out)
-    shared = (_saved_ffn_bytes(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp)
+    hidden, act_out = _saved_ffn_parts(model, w, e, lin, compiled, fused_mlp)
+    shared = (sum(_saved_ffn_parts(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp))
               if model.n_shared_experts else 0.0)
-    return np.array([experts, k * (lin * model.dim + e * model.dim), shared, k * act_out])
+    return np.array([k * hidden, k * (lin * model.dim + e * model.dim), shared, k * act_out])
 
 
 def _module_drops(model, workload, moe: bool, compiled: bool, f8_fraction: float) -> np.ndarray:
@@ -184,13 +183,15 @@ def _module_drops(model, workload, moe: bool, compiled: bool, f8_fraction: float
     return d
 
 
-def _saved_ffn_bytes(model, width: float, e: float, lin: float, compiled: bool, fused_mlp: bool = False) -> float:
-    """Bytes per token an FFN of hidden `width` keeps (`lin`: bytes of a saved linear input)."""
-    if model.mlp == "swiglu":     # gate, up (+ silu(gate) and product when eager; the product when fused)
-        if compiled:
-            return 2 * e * width + (lin * width if fused_mlp else 0.0)
-        return 2 * e * width + (e + lin) * width
-    return e * width + lin * width                    # GeLU input and output (= fc2 input)
+def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
+                     fused_mlp: bool = False) -> tuple[float, float]:
+    """Bytes per token an FFN of hidden `width` keeps, as (the hidden tensors before the activation's
+    output, the activation's output = the fc2 input); `lin`: bytes of a saved linear input."""
+    if model.mlp != "swiglu":
+        return e * width, lin * width                 # GeLU input, its output (= fc2 input)
+    if compiled:                                      # gate, up; the product only when Megatron-fused
+        return 2 * e * width, (lin * width if fused_mlp else 0.0)
+    return 3 * e * width, lin * width                 # eager: gate, up, silu(gate); the product
 
 
 def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
@@ -293,7 +294,6 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
     tp = table.tp.astype(np.float64)
     sp = tp if workload.sequence_parallel else np.ones_like(tp)
     tokens = table.microbatch * workload.seq_len / table.cp
-    fused = compiled if workload.norm_impl == "auto" else np.full(len(table), workload.norm_impl == "fused")
-    norm_in = np.where(fused, e * h, (3 if workload.dtype == "bf16" else 2) * e * h)
+    norm_in = np.where(compiled, _norm_saved_bytes(workload, True, e, h), _norm_saved_bytes(workload, False, e, h))
     head_in = e * h / (1.0 if workload.tp_keeps_gathered else sp)
     return tokens * (norm_in / sp + head_in)

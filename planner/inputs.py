@@ -29,7 +29,8 @@ DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
-                  "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl", "grad_accum")
+                  "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
+                  "grad_accum")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -104,8 +105,7 @@ class PlanInputs:
                 f"{self.workload_line()}" + (f"  [local: {self.local.description}]" if self.local else ""))
 
 
-_WORKLOAD_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
-                      for f in dataclasses.fields(Workload)}
+_WORKLOAD_DEFAULTS = Workload(seq_len=1, global_batch=1).to_dict()    # as plain values, like workload_line's
 
 
 # --------------------------------------------------------------------------- flags

@@ -63,6 +63,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import spmd_types as spmd
 
+from ..comm_timer import all_gather_flat
+
 # spmd_types 0.3 calls funcol.all_gather_tensor / reduce_scatter_tensor, deprecated in torch 2.14: once per
 # collective and process otherwise, on every rank (the call may come through comm_timer's wrapper)
 warnings.filterwarnings("ignore", category=FutureWarning,
@@ -223,7 +225,7 @@ class _SeqShard:
             shard = shard.contiguous()
             flat = shard.new_empty((self.tp.size * shard.shape[0], *shard.shape[1:]))
             with torch.no_grad(), spmd.no_typecheck():
-                dist.all_gather_single(flat, shard, group=self.tp.group)
+                all_gather_flat(flat, shard, group=self.tp.group)
                 self._full = torch.cat(flat.chunk(self.tp.size, 0), dim=SEQ_DIM)   # rank order = sequence order
         return self._full
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +185,13 @@ def assert_close_per_step(got: list[float], want: list[float], rtol: float = 1e-
     for i, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= rtol * abs(w), \
             f"step {i + 1}: {what} {g!r} vs reference {w!r} (rel {abs(g - w) / abs(w):.2e})"
+
+
+def in_fresh_process(fn, *args, timeout: float = 600):
+    """`fn(*args)` in a new spawned interpreter (for cases that start a process group or alter module
+    tables), its result returned."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout)
 
 
 def assert_backends_agree(a: TitanRun, b: TitanRun, rtol: float = 1e-5) -> None:

@@ -9,8 +9,6 @@ pending sum over cp is taken away, and the ring region refuses inputs not sharde
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -25,7 +23,8 @@ from executor.parallel.parallelize import Precision, build_model_parts, resolve_
 from executor.parallel.ring_attention import _RingAttentionFn
 from executor.parallel.spmd_context_parallel import TypedRingAttention, TypedRingAttentionFn, apply_spmd_cp
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
+                                       run_on_its_backend, run_titan)
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"cp2": Plan(cp=2, microbatch=4), "dp2xcp2": Plan(dp_shard=2, cp=2, microbatch=2),
@@ -143,9 +142,7 @@ def _ring_region_case(cp_type: str) -> str:
     return f"ok {spmd.get_local_type(out)[cp] is spmd.V}"
 
 
-def _in_fresh_process(fn, *args) -> str:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result(timeout=600)
+_in_fresh_process = in_fresh_process
 
 
 @needs_spmd

@@ -24,8 +24,6 @@ axes (``Meshes.group_names``).
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch.distributed as dist
@@ -35,7 +33,8 @@ from executor.mesh import build_meshes
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
+                                       run_on_its_backend, run_titan)
 from tests.distributed.test_moe_parity import GLOBAL_BATCH, SEQ_LEN, moe_spec_file
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
@@ -130,5 +129,4 @@ def _expert_mesh_mismatches(plans: list[Plan]) -> list[str]:
 
 
 def test_the_experts_mesh_spans_the_ep_efsdp_and_tp_ranks_on_every_rank():
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        assert pool.submit(_expert_mesh_mismatches, MESH_PLANS).result(timeout=600) == []
+    assert in_fresh_process(_expert_mesh_mismatches, MESH_PLANS) == []

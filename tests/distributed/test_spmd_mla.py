@@ -18,8 +18,6 @@ one-process fake-process-group step of both MLA variants (q_lora_rank 96 and 0) 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -32,7 +30,8 @@ from executor.parallel import spmd_step
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts, resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
+                                       run_on_its_backend, run_titan)
 from tests.distributed.test_mla import GLOBAL_BATCH, MODEL, SEQ_LEN, spec_file
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
@@ -106,8 +105,7 @@ def _checker_case(q_lora_rank: int) -> str:
 
 
 def _in_fresh_process(q_lora_rank: int) -> str:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_checker_case, q_lora_rank).result(timeout=600)
+    return in_fresh_process(_checker_case, q_lora_rank)
 
 
 @needs_spmd

@@ -11,8 +11,6 @@ whose dp reduction was not declared.
 """
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -27,7 +25,8 @@ from executor.parallel.spmd_pipeline import TypedMicroBatchLoss, check_loss_type
 from executor.parallel.spmd_step import loss_dp_mesh, spmd_mesh
 from executor.parallel.tensor_parallel import cross_entropy
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
+                                       run_on_its_backend, run_titan)
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
@@ -133,8 +132,7 @@ def _loss_case(declare_dp_reduction: bool) -> str:
 
 
 def _in_fresh_process(declare: bool) -> str:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_loss_case, declare).result(timeout=600)
+    return in_fresh_process(_loss_case, declare)
 
 
 @needs_spmd

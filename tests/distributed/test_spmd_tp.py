@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -28,7 +26,8 @@ from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts, resolve_backend, spmd_plan_unsupported
 from executor.parallel.spmd_tensor_parallel import BLOCK_SHARDING, BOUNDARY_OPS
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
+                                       run_on_its_backend, run_titan)
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
@@ -84,8 +83,7 @@ def _checker_case(skip_reduce_scatter: bool) -> str:
 
 
 def _in_fresh_process(skip_reduce_scatter: bool) -> str:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_checker_case, skip_reduce_scatter).result(timeout=600)
+    return in_fresh_process(_checker_case, skip_reduce_scatter)
 
 
 def _two_models_case() -> list:
@@ -126,8 +124,7 @@ def test_checker_names_a_skipped_sequence_parallel_reduce_scatter():
 def test_a_second_spmd_model_in_one_process_builds_and_steps():
     # FSDP's spmd path checks that a parameter's DTensor mesh IS the mesh it was given; DTensor's caches
     # compare meshes by value and handed the second model the first one's ("different mesh objects")
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        (first, own1), (second, own2) = pool.submit(_two_models_case).result(timeout=600)
+    (first, own1), (second, own2) = in_fresh_process(_two_models_case)
     assert own1 and own2
     assert first == second and math.isfinite(first)
 

@@ -15,10 +15,8 @@ MemTracker (every live storage) shows the step's peak lower by about that much p
 from __future__ import annotations
 
 import json
-import multiprocessing
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -34,7 +32,7 @@ from executor.parallel import spmd_step
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts
 from search_spaces.plan import Plan
-from tests.distributed.harness import ROOT, assert_matches_single_process, env, run_on_its_backend
+from tests.distributed.harness import in_fresh_process, ROOT, assert_matches_single_process, env, run_on_its_backend
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SHARDED = {"workload.tp_activations": "sharded"}
@@ -110,8 +108,7 @@ def _saved_bytes_case(tp_activations: str) -> dict:
 
 
 def _in_fresh_process(tp_activations: str) -> dict:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_saved_bytes_case, tp_activations).result(timeout=600)
+    return in_fresh_process(_saved_bytes_case, tp_activations)
 
 
 def _analytic_block_bytes(tp_activations: str) -> float:
