@@ -142,10 +142,14 @@ def in_flight_on_rank(table, rank) -> np.ndarray:
     * GPipe: all n_microbatches (Huang et al. 2019, arXiv:1811.06965);
     * 1F1B: pp - r warm-up forwards (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2.1;
       Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.3): pp on the first rank, 1 on the last;
-    * Interleaved1F1B with v stages per rank: torch's ScheduleInterleaved1F1B runs
-      (v-1) pp + 2 (pp-1-r) warm-up chunks, so (v-1) pp + 2 (pp-1-r) + 1 chunks = that / v
-      rank-micro-batches are alive: pp (1 + (pp-1)/(pp v)) on the first rank (Korthikanti
-      Sec. 4.2.3, after Narayanan Sec. 2.2.2), ((v-1) pp + 1)/v on the last;
+    * Interleaved1F1B with v stages per rank: torch's ScheduleInterleaved1F1B (the "flexible"
+      schedule of the Llama 3 paper, arXiv:2407.21783, Sec. 3.3.2 and Fig. 6: N contiguous
+      micro-batches per stage) runs the micro-batches in rounds of N = n // max(1, n // pp) and
+      (v-1) N + 2 (pp-1-r) warm-up chunks (torch's ``_get_warmup_ops``), so (v-1) N + 2 (pp-1-r) + 1
+      chunks = that / v rank-micro-batches are alive.  With n a multiple of pp (N = pp, the
+      depth-first schedule): pp (1 + (pp-1)/(pp v)) on the first rank (Korthikanti Sec. 4.2.3, after
+      Narayanan Sec. 2.2.2), ((v-1) pp + 1)/v on the last; any other n has N > pp (e.g. pp 4,
+      n 6: N 6) and more chunks in flight;
     * ZBVZeroBubble: pp -- ZB-V keeps 1F1B's peak (Qi et al. 2024, arXiv:2401.10241, Sec. 6);
     * DualPipeV: pp + 1/2 in torch's DualPipeV (the actions of each rank in torch 2.14's
       ``pipeline_order``, replayed by ``titan-run --dry-run --memory``: at most 2.5 rank-micro-batches
@@ -163,7 +167,8 @@ def in_flight_on_rank(table, rank) -> np.ndarray:
     o = table.is_schedule("1F1B")
     out[o] = pp[o] - r[o]
     i = table.is_schedule("Interleaved1F1B")
-    out[i] = ((v[i] - 1) * pp[i] + 2 * (pp[i] - 1 - r[i]) + 1) / v[i]
+    n_round = interleaved_round_size(table)
+    out[i] = ((v[i] - 1) * n_round[i] + 2 * (pp[i] - 1 - r[i]) + 1) / v[i]
     z = table.is_schedule("ZBVZeroBubble")
     out[z] = pp[z]
     d = table.is_schedule("DualPipeV")
@@ -171,6 +176,14 @@ def in_flight_on_rank(table, rank) -> np.ndarray:
     out = np.minimum(out, nmb)
     out[table.pp == 1] = 1.0
     return out
+
+
+def interleaved_round_size(table) -> np.ndarray:
+    """N, the contiguous micro-batches each stage runs per round under Interleaved1F1B: torch's
+    ``microbatches_per_round`` = n // max(1, n // pp) (n a multiple of the rounds,
+    search_spaces.constraints); pp when n is a multiple of pp."""
+    nmb = table.n_microbatches.astype(np.int64)
+    return (nmb // np.maximum(1, nmb // np.maximum(table.pp.astype(np.int64), 1))).astype(np.float64)
 
 
 def in_flight_microbatches(table) -> tuple[np.ndarray, np.ndarray]:

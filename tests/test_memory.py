@@ -7,6 +7,7 @@ import pytest
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
 from cost_models.activations import per_layer_activation_bytes
+from cost_models.layout import in_flight_on_rank, interleaved_round_size
 from cost_models.memory import in_flight_microbatches
 from cost_models.specs import load_hardware, load_model, model_from_dict
 from cost_models.workload import Workload
@@ -80,6 +81,39 @@ def test_in_flight_microbatches_by_schedule():
     assert list(first) == pytest.approx([4, 16, 4 * (1 + 3 / 8), 4, 4.5, 1])
     assert last[0] == 1 and last[1] == 16 and last[5] == 1
 
+
+
+def _torch_interleaved_in_flight(pp: int, v: int, n: int, rank: int) -> float:
+    """Peak of live (stage, micro-batch) forwards on `rank` in torch's own ScheduleInterleaved1F1B
+    order (its `_calculate_single_rank_operations`, the pipeline_order the executor runs), in
+    rank-micro-batches (/ v)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    sched = object.__new__(ScheduleInterleaved1F1B)   # the order only: no stages, no process group
+    sched.pp_group_size, sched.n_local_stages, sched.rank, sched._n_microbatches = pp, v, rank, n
+    sched.number_of_rounds = max(1, n // pp)
+    sched.microbatches_per_round = n // sched.number_of_rounds
+    live = peak = 0
+    for a in sched._calculate_single_rank_operations(rank):
+        if a is not None:
+            live += {"F": 1, "B": -1}.get(a.computation_type.value, 0)
+            peak = max(peak, live)
+    return peak / v
+
+
+def test_interleaved_in_flight_follows_torchs_rounds_of_n_microbatches():
+    """The Llama 3 paper's schedule (N contiguous micro-batches per stage) as torch runs it: N = n //
+    max(1, n // pp); n not a multiple of pp (pp 4, n 6 or 10: N 6, 5 -- Fig. 6 of arXiv:2407.21783 has
+    pp 4, n 10, N 5) holds more chunks than the depth-first N = pp."""
+    cases = [(pp, v, n) for pp, v in ((2, 2), (4, 2), (4, 3), (8, 2)) for n in (pp, pp + 1, pp + 2, 2 * pp,
+                                                                          2 * pp + 2, 3 * pp)
+             if n % max(1, n // pp) == 0]
+    plans = [Plan(pp=pp, n_microbatches=n, schedule="Interleaved1F1B", stages_per_rank=v) for pp, v, n in cases]
+    t = CandidateTable.from_plans(plans)
+    for r in range(8):
+        got = in_flight_on_rank(t, np.minimum(r, t.pp - 1))
+        for i, (pp, v, n) in enumerate(cases):
+            assert got[i] == pytest.approx(_torch_interleaved_in_flight(pp, v, n, min(r, pp - 1))), (r, pp, v, n)
+    assert interleaved_round_size(t)[cases.index((4, 2, 10))] == 5
 
 def _cpu_debug(*plans, **wl):
     m, hw = load_model("llama3-debug"), load_hardware("cpu")
