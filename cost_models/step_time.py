@@ -1,6 +1,7 @@
 """Step time per optimizer step, as a breakdown, for every candidate of a `CandidateTable`.
 
-Keys (seconds per step): compute, tp_comm, cp_comm, ep_comm, dp_comm (exposed),
+Keys (seconds per step): compute, tp_comm, cp_comm, ep_comm, dp_comm (exposed gradient and
+parameter synchronisation: data parallel, and a tied embedding across pipeline stages),
 pp_p2p, pp_bubble, other.  They sum to the step time.
 
 The critical path is the busiest pipeline rank (the most layers, the most MoE blocks,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 
-from .comm import all_to_all_time, axis_links, link_params, p2p_time, ring_gather_time
+from .comm import all_reduce_time, all_to_all_time, axis_links, link_params, p2p_time, ring_gather_time
 from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, head_kernels, kernels_per_block,
                       launch_bound, layer_gemms)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
@@ -230,6 +231,23 @@ def head_times(model, workload, r: Rates, tokens, tp) -> dict:
     return {"F": f, "B": b, "W": w, "head_F": f, "head_B": b, "head_W": w, "head_BW": b + w}
 
 
+def tied_embedding_sync(table, model, workload, pp_link) -> np.ndarray:
+    """Exposed all-reduce of a tied embedding's gradient between the first and the last pipeline
+    stage, per step (seconds).  Under pipelining the embedding (stage 0) and the LM head (the last
+    stage) are two copies of one weight on two ranks; after the last backward, before the optimizer,
+    the two ranks all-reduce its gradient over their own two-rank group: Megatron-LM
+    ``finalize_model_grads`` -> ``_allreduce_word_embedding_grads`` (main gradients: fp32, or bf16 with
+    grad_dtype bf16), DeepSpeed ``PipelineEngine._exec_reduce_tied_grads`` (``dist.all_reduce`` of the
+    weight's gradient; its BF16 optimizer's fp32 copy, ``weight._hp_grad``, under grad_accum hp_copy).
+    The V schedules put the last stage on rank 0, next to the embedding: nothing to synchronise."""
+    if not model.tie_embeddings:
+        return np.zeros(len(table))
+    nbytes = (4.0 if workload.grad_accum_mode == "hp_copy" else workload.grad_elem_bytes) \
+        * model.vocab_size * model.dim / table.tp
+    t = all_reduce_time(2, nbytes, pp_link.p2p_bw, pp_link.p2p_alpha)
+    return np.where((table.pp > 1) & ~table.is_v_schedule, t, 0.0)
+
+
 def bubble_microbatches(table, F, B, W) -> np.ndarray:
     """Pipeline bubble, seconds, from per-micro-batch F/B/W of a pipeline stage.
 
@@ -303,6 +321,8 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     sp = table.tp if workload.sequence_parallel else 1
     p2p = p2p_time(table.microbatch * workload.seq_len / table.cp * model.dim * r.elt / sp, ppl.p2p_bw, ppl.p2p_alpha)
     pp_p2p = np.where(table.pp > 1, 2.0 * (nmb * table.stages_per_rank + table.pp - 1) * p2p, 0.0)
+
+    dp = dp + tied_embedding_sync(table, model, workload, ppl)
 
     # CPU hosts running more processes than cores: the work of each process takes longer
     slow = hw.oversubscription(table.world_size)

@@ -1,6 +1,8 @@
 """Step-time mechanisms at scale (issue 12, items 4-6): data-parallel traffic, pipeline engines, MoE."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -207,3 +209,34 @@ def test_gradient_accumulation_pass_by_framework():
     np.testing.assert_allclose(hp, 18.0 * local * tab.n_microbatches)
     bf16 = S.grad_accum_bytes(tab, m, Workload(**megatron, grad_accum="autograd", grad_dtype="bf16"), rp)
     np.testing.assert_allclose(bf16, 6.0 * local * np.maximum(tab.n_microbatches - 1, 0))
+
+
+def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
+    """Tied embeddings under pipelining: the embedding (stage 0) and the LM head (last stage) are two
+    copies of one weight, and their gradient is all-reduced over the two ranks once per step
+    (Megatron-LM finalize_model_grads, DeepSpeed _exec_reduce_tied_grads): exposed, in the gradient's
+    dtype (DeepSpeed's BF16 optimizer reduces its fp32 copy); nothing when untied, without pipelining,
+    or when a V schedule keeps both ends on rank 0."""
+    hw = load_hardware("a100-80g")
+    untied = load_model("llama3-8b")
+    tied = dataclasses.replace(untied, tie_embeddings=True)
+    wl = Workload(seq_len=2048, global_batch=64, state_layout="megatron", grad_dtype="bf16")
+    plans = [Plan(dp_shard=2, pp=4, tp=4, microbatch=1, n_microbatches=32, schedule="1F1B"),
+             Plan(dp_shard=8, tp=4, microbatch=1, n_microbatches=8),
+             Plan(dp_shard=4, pp=2, tp=4, microbatch=1, n_microbatches=16, schedule="ZBVZeroBubble",
+                  stages_per_rank=2)]
+    t = CandidateTable.from_plans(plans)
+    links = axis_links(t, hw, Coefficients())
+    ppl = links["pp"]
+    sync = S.tied_embedding_sync(t, tied, wl, ppl)
+    nbytes = 2.0 * tied.vocab_size * tied.dim / 4       # bf16 main gradients of this rank's vocab shard
+    assert sync[0] == pytest.approx(2 * (ppl.p2p_alpha[0] + nbytes / 2 / ppl.p2p_bw[0]))
+    assert sync[1] == 0.0 and sync[2] == 0.0
+    assert not np.any(S.tied_embedding_sync(t, untied, wl, ppl))
+    hp = dataclasses.replace(wl, grad_accum="hp_copy")
+    assert S.tied_embedding_sync(t, tied, hp, ppl)[0] > 1.9 * sync[0]
+    # and the step carries it, as exposed gradient synchronisation
+    c = Coefficients()
+    d_tied = S.step_time_breakdown(t, tied, hw, wl, c)["dp_comm"]
+    d_untied = S.step_time_breakdown(t, untied, hw, wl, c)["dp_comm"]
+    assert d_tied[0] - d_untied[0] == pytest.approx(sync[0], rel=1e-9)
