@@ -58,7 +58,8 @@ framework):
   shards we do not reshard after forward computation") and, with pp > 1, Interleaved1F1B ("we use an
   interleaved schedule with V pipeline stages on one pipeline rank"), V one layer per chunk (removing
   one layer from the first stage leaves its first chunk "only the embedding"): V = (L + 2) / PP,
-  capped at L // PP, the most a plan splits (405B, PP 16: 8 -> 7).
+  capped at L // PP, the most a plan splits (405B, PP 16: 8 -> 7); tp_activations = sharded (its TP
+  cites Korthikanti et al., whose sequence parallelism keeps the sequence shard, Sec. 4.2.2).
 * gradient dtype and loss kernel, by framework (Workload.grad_dtype / loss_impl):
   - nemo and mbridge: bf16 main gradients and the fused cross-entropy.  NeMo 1.0 configs (24.07 era):
     `optim: distributed_fused_adam` with `grad_sync_dtype: bf16` and `cross_entropy_loss_fusion: true`
@@ -281,7 +282,10 @@ def build_case(row) -> Case:
                         grad_dtype="bf16" if (source in NVIDIA_RECIPES or fp16_ds) and state == "megatron" else "fp32",
                         loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "auto",
                         grad_accum="autograd" if fp16_ds else "hp_copy" if source == "megatron-deepspeed-2022"
-                        else "auto", norm_impl=norm)
+                        else "auto", norm_impl=norm,
+                        # llama3-meta: the paper's TP is Korthikanti et al.'s (cited in Sec. 3.3.2), which keeps
+                        # the sequence shard of each all-gathered input (Sec. 4.2.2), not DTensor's gathered copy
+                        tp_activations="sharded" if source == "llama3-meta" else "auto")
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
     if source == "megatron-deepspeed-2022":
         flags["dp_overlap"] = 0.0     # DeepSpeed's pipeline TrainSchedule reduces after the last backward
