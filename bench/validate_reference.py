@@ -29,6 +29,12 @@ Mapping rules (stated once, applied to every row):
   recipe") -> what `titan-plan estimate` does without --ac (planner/whatif.py: choose_ac): the
   fastest of none / selective / full that fits the device, else the smallest peak;
   vpp -> Interleaved1F1B with stages_per_rank = vpp; FP8/Float8 -> float8=True.
+* recipe facts (bench/reference_recipes.yaml, keyed by row id, each entry citing the recipe file at the
+  release of the row's container): when the entry's own layout is the row's (tp, pp, vp, ep, micro-batch,
+  global batch), an unstated recompute takes the recipe's (selective with its recompute_modules ->
+  selective_ac 'modules'), the workload takes its EP all-to-all overlap (Megatron's
+  overlap_moe_expert_parallel_comm -> ep_a2a_overlap 'combined_1f1b'), and overlap_grad_reduce false
+  -> dp_overlap = 0.  An entry whose layout differs is a record only (another recipe made the row).
 * unstated seq_len in TorchTitan's async-TP benchmark -> 8192 (the train_configs default, as
   the other TorchTitan rows; its 70B float8 vanilla-TP figure matches Table 4's); those runs
   need torch.compile for async TP, so compile=True.
@@ -97,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import statistics
@@ -135,6 +142,7 @@ NOT_EXPRESSIBLE = {
 
 
 EXTRA_PATH = Path(__file__).resolve().parent / "reference_extra.yaml"
+RECIPES_PATH = Path(__file__).resolve().parent / "reference_recipes.yaml"
 SETS = ("shared", "extra")
 MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo", "nemo-megatron-2022", "megatron-deepspeed-2022")
 MATERIALIZED = ("korthikanti", "nemo-megatron-2022", "megatron-deepspeed-2022")   # 2022 Megatron stacks: fused softmax (no flash), dropout
@@ -220,6 +228,25 @@ def _seq(row):
     return _num(row["model"].get("seq_len"))
 
 
+@functools.lru_cache(maxsize=None)
+def load_recipes(path: Path = RECIPES_PATH) -> dict[str, dict]:
+    """bench/reference_recipes.yaml: what the performance recipe behind a row sets, keyed by row id."""
+    return dict(yaml.safe_load(path.read_text())["recipes"])
+
+
+def recipe_for(row, recipes: dict[str, dict] | None = None) -> dict | None:
+    """The row's recipe entry when its stated layout is the row's (tp, pp, vp, ep, micro-batch, global
+    batch), else None: a recipe with another layout did not produce the row's figure."""
+    rec = (load_recipes() if recipes is None else recipes).get(row["id"])
+    if rec is None:
+        return None
+    par, lay = row["parallel"], rec["layout"]
+    vp = lambda x: max(1, int(_num(x) or 1))     # noqa: E731 (null, n/a and 1: no interleaving)
+    same = all(int(par.get(k) or 1) == int(lay.get(k) or 1) for k in ("tp", "pp", "ep", "microbatch")) and \
+        vp(par.get("vpp")) == vp(lay.get("vp")) and int(par.get("global_batch") or 0) == int(lay["global_batch"])
+    return rec if same else None
+
+
 def build_case(row) -> Case:
     """Map one published row onto the cost model's inputs; ValueError(reason) if it cannot be expressed."""
     rid, par, hwr, meas = row["id"], row["parallel"], row["hardware"], row["measured"]
@@ -252,6 +279,10 @@ def build_case(row) -> Case:
     rec = str(par.get("recompute", "not stated")).lower()
     ac = ("full" if rec.startswith("full") else "selective" if rec.startswith("selective")
           else "none" if rec.startswith("none") else None)         # None: not stated, chosen below
+    recipe = recipe_for(row) or {}          # bench/reference_recipes.yaml: what the row's recipe states
+    if ac is None and recipe.get("recompute"):
+        ac = str(recipe["recompute"])
+    modules = tuple(recipe.get("modules") or ()) if ac == "selective" else ()
     f8 = ("fp8" in text or "float8" in text)
     if "rowwise" in text:
         raise ValueError("float8 rowwise scaling is a different recipe from the tensorwise float8 the plan models")
@@ -278,7 +309,9 @@ def build_case(row) -> Case:
     workload = Workload(seq_len=seq, global_batch=gb, state_layout=state, zero=zero,
                         attention_impl="materialized" if materialized else "fused", dropout=materialized,
                         sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
-                        selective_ac="attention" if megatron else "op",
+                        selective_ac="modules" if modules else "attention" if megatron else "op",
+                        recompute_modules=modules or ("core_attn",),
+                        ep_a2a_overlap=str(recipe.get("ep_a2a_overlap", "none")),
                         grad_dtype="bf16" if (source in NVIDIA_RECIPES or fp16_ds) and state == "megatron" else "fp32",
                         loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "auto",
                         grad_accum="autograd" if fp16_ds else "hp_copy" if source == "megatron-deepspeed-2022"
@@ -289,6 +322,8 @@ def build_case(row) -> Case:
     flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
     if source == "megatron-deepspeed-2022":
         flags["dp_overlap"] = 0.0     # DeepSpeed's pipeline TrainSchedule reduces after the last backward
+    if recipe.get("overlap_grad_reduce") is False:
+        flags["dp_overlap"] = 0.0     # the recipe turns Megatron's overlapped gradient reduction off
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"

@@ -51,7 +51,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         blk = _block_times(table, model, workload, coeffs, r, moe, tokens, tp, attn, tp_coll)
         if moe:
             exp_f, exp_b = _ep_exposed(table, model, hw, coeffs, links["ep"], r, tokens, tp, blk["gpu_f"],
-                                       blk["gpu_b"], workload.sequence_parallel, workload.recomputes("moe"))
+                                       blk["gpu_b"], workload)
             out["ep_f"] += count * exp_f
             out["ep_b"] += count * exp_b
         out["F"] += count * blk["f"]
@@ -178,15 +178,27 @@ def _module_recompute(table, model, workload, coeffs, r: Rates, moe: bool, token
 
 
 def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, gpu_b,
-                sequence_parallel: bool, moe_recomputed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                workload) -> tuple[np.ndarray, np.ndarray]:
     """Exposed EP dispatch + combine all-to-alls of one MoE block (Lepikhin et al. 2020,
-    arXiv:2006.16668), forward and backward; DualPipeV overlaps them with the other micro-batch's
-    compute."""
-    sp = tp if sequence_parallel else np.ones(len(table))
+    arXiv:2006.16668), forward and backward.  DualPipeV overlaps them with the other micro-batch's
+    compute; so does Megatron's combined 1F1B (workload ``ep_a2a_overlap: combined_1f1b``), layer
+    by layer (megatron/core/models/common/model_chunk_schedule_plan.py, ``schedule_layer_1f1b``):
+
+        comm stream:    combine_bwd      | dispatch_fwd, dispatch_bwd        | combine_fwd
+        compute stream: attention fwd    | expert MLP bwd, its wgrad, MLP fwd | attention bwd
+
+    (delay_wgrad_compute puts the experts' weight gradients in the middle phase), so each phase
+    exposes max(0, its all-to-alls - its compute).  The first forwards and last backwards of a
+    step have no partner: Megatron's warm-up of an interleaved pipeline, (pp - 1) * 2 + (v - 1) * pp
+    chunk forwards on the first rank plus the one extra micro-batch the overlap schedules
+    (megatron/core/pipeline_parallel/schedules.py), one micro-batch without a pipeline; their share of
+    the step's micro-batches keeps its all-to-alls exposed."""
+    sp = tp if workload.sequence_parallel else np.ones(len(table))
     lpd = link_params(hw, coeffs)
     lp = (lpd["intra_bw"], lpd["intra_alpha"], lpd["inter_bw"], lpd["inter_alpha"])
     # full recompute, or Megatron's 'moe' recompute module, runs the dispatch and combine again
-    ac_full = table.is_ac("full") | (table.is_ac("selective") & moe_recomputed)
+    moe_rec = table.is_ac("selective") & workload.recomputes("moe")
+    ac_full = table.is_ac("full") | moe_rec
     a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
     # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
     a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),
@@ -195,7 +207,23 @@ def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, 
     exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
     exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
                      (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
-    return exp_f, exp_b
+    if workload.ep_a2a_overlap != "combined_1f1b":
+        return exp_f, exp_b
+    # Megatron's conditions (TransformerConfig.__post_init__): EP > 1, an interleaved pipeline when
+    # pp > 1, no full recompute, no 'moe' recompute module; and a partner micro-batch
+    pp, v, m = table.pp.astype(np.float64), table.stages_per_rank.astype(np.float64), table.n_microbatches
+    runs = ((table.ep > 1) & ((table.pp == 1) | table.is_schedule("Interleaved1F1B")) & ~ac_full & ~dual
+            & (m >= 2))
+    ffn = {mm.name for mm in layer_matmuls(model, True) if mm.group == "ffn"}
+    mlp = layer_gemms(table, model, workload, coeffs, r, True, only=ffn.__contains__)[0]   # fwd = dgrad = wgrad
+    phase1 = np.maximum(0.0, a2a - np.maximum(gpu_f - mlp, 0.0))      # combine bwd under attention fwd
+    phase2 = np.maximum(0.0, 2 * a2a - 3 * mlp)                       # dispatch fwd + bwd under the MLPs
+    phase3 = np.maximum(0.0, a2a - np.maximum(gpu_b - mlp, 0.0))      # combine fwd under attention bwd
+    warm = np.where(pp > 1, (pp - 1) * 2 + (v - 1) * pp + 1, 1.0)
+    alone = np.minimum(1.0, warm / np.maximum(m * v, 1.0))            # share of F and B without a partner
+    ov_f = alone * exp_f + (1 - alone) * (phase3 + phase2 / 2)
+    ov_b = alone * exp_b + (1 - alone) * (phase1 + phase2 / 2)
+    return np.where(runs, ov_f, exp_f), np.where(runs, ov_b, exp_b)
 
 
 def attention_core_times(model, workload, r: Rates, tokens, tp, cp):

@@ -63,6 +63,16 @@ class Workload:
     per-token rstd: Apex/TE, Triton -- e.g. TorchTitan's ``norm_type = "fused_rmsnorm"`` of 2024 --
     or a compiled block); ``auto`` is fused exactly when the plan compiles.
 
+    ``ep_a2a_overlap`` is whether the MoE dispatch and combine all-to-alls run under compute:
+    ``none`` (this executor, and Megatron by default: each all-to-all sits on the critical path) or
+    ``combined_1f1b`` (Megatron-core's ``overlap_moe_expert_parallel_comm`` with
+    ``delay_wgrad_compute``, as Megatron-Bridge's performance recipes set it for some MoE models: the
+    forward of one micro-batch and the backward of another run layer by layer together, and each
+    all-to-all of one hides under a computation of the other,
+    megatron/core/models/common/model_chunk_schedule_plan.py ``schedule_layer_1f1b``).  Megatron runs
+    it only with EP > 1, an interleaved pipeline when pp > 1, no full recompute and no ``moe`` in
+    ``recompute_modules``; a candidate outside those keeps its all-to-alls exposed.
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -95,6 +105,7 @@ class Workload:
     selective_ac: Literal["matmul", "op", "attention", "modules"] = "matmul"
     recompute_modules: tuple[Literal[RECOMPUTE_MODULES], ...] = ("core_attn",)   # with selective_ac: modules
     tp_activations: Literal["auto", "gathered", "sharded"] = "auto"   # what TP blocks keep of gathered tensors
+    ep_a2a_overlap: Literal["none", "combined_1f1b"] = "none"   # MoE all-to-alls under the other micro-batch
     norm_impl: Literal["auto", "eager", "fused"] = "auto"     # the RMSNorm/LayerNorm kernel
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel

@@ -293,6 +293,8 @@ _OTHER_FRAMEWORKS = (
     ("grad_accum", lambda wl: wl.grad_accum_mode == "autograd",
      "titan-run accumulates gradients with autograd (auto or autograd"),
     ("loss_impl", lambda wl: wl.loss_mode == "eager", "titan-run computes the loss on fp32-upcast logits (eager"),
+    ("ep_a2a_overlap", lambda wl: wl.ep_a2a_overlap == "none",
+     "titan-run runs each MoE all-to-all in its own micro-batch's forward and backward (none"),
 )
 
 

@@ -1,0 +1,210 @@
+"""Megatron's EP all-to-all overlap (workload ep_a2a_overlap: combined_1f1b): the phase rule of
+`step_time._ep_exposed`, where Megatron runs it and where not, the flag, the plan-file key, the --json
+echo, the one-line error, titan-run's refusal, and the validator's recipe file."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from cost_models import step_time as S
+from cost_models.coefficients import Coefficients
+from cost_models.comm import axis_links
+from cost_models.compute import Rates, layer_gemms
+from cost_models.estimate import estimate
+from cost_models.flops import layer_matmuls
+from cost_models.specs import SpecError, load_hardware, load_model
+from cost_models.workload import Workload
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
+
+DSV3 = load_model("deepseek-v3-671b")
+QWEN = load_model("qwen3-30b-a3b")
+H100 = load_hardware("h100-sxm")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wl(overlap="none", **kw) -> Workload:
+    return Workload(seq_len=4096, global_batch=1024, state_layout="megatron", zero=1, ep_a2a_overlap=overlap, **kw)
+
+
+def _plan(**kw) -> Plan:
+    base = dict(dp_shard=16, ep=16, microbatch=1, n_microbatches=64, ac="none", compile=True, runnable=False)
+    return Plan(**{**base, **kw})
+
+
+def _exposed(plans, model, wl, gpu_f, gpu_b):
+    table = CandidateTable.from_plans(plans)
+    coeffs = Coefficients()
+    r = Rates(H100, wl, coeffs)
+    tokens = table.microbatch * float(wl.seq_len) / table.cp
+    tp = table.tp.astype(np.float64)
+    links = axis_links(table, H100, coeffs)
+    f, b = S._ep_exposed(table, model, H100, coeffs, links["ep"], r, tokens, tp, gpu_f, gpu_b, wl)
+    mlp = layer_gemms(table, model, wl, coeffs, r, True,
+                      only={m.name for m in layer_matmuls(model, True) if m.group == "ffn"}.__contains__)[0]
+    return f, b, mlp
+
+
+def test_phase_rule_against_its_formula():
+    """Each all-to-all of one micro-batch hides under a computation of the other: combine-backward under
+    the attention forward, both dispatches under the expert MLPs (dgrad, wgrad, forward), combine-forward
+    under the attention backward; the step's unpaired micro-batch (one, without a pipeline) stays exposed."""
+    plans = [_plan()]
+    f0, b0, mlp = _exposed(plans, QWEN, _wl(), np.zeros(1), np.zeros(1))
+    a2a = f0 / 2                                  # without the overlap: dispatch + combine each way
+    assert a2a[0] > 0 and b0[0] == pytest.approx(2 * a2a[0])
+    for scale in (0.05, 0.5, 1.0, 3.0):           # compute from far below to far above the all-to-alls
+        gpu_f, gpu_b = mlp + scale * a2a, 2 * mlp + scale * a2a
+        f, b, _ = _exposed(plans, QWEN, _wl("combined_1f1b"), gpu_f, gpu_b)
+        ph1 = np.maximum(0, a2a - (gpu_f - mlp))
+        ph2 = np.maximum(0, 2 * a2a - 3 * mlp)
+        ph3 = np.maximum(0, a2a - (gpu_b - mlp))
+        alone = 1 / 64
+        assert f[0] == pytest.approx(alone * f0[0] + (1 - alone) * (ph3 + ph2 / 2)[0])
+        assert b[0] == pytest.approx(alone * b0[0] + (1 - alone) * (ph1 + ph2 / 2)[0])
+        assert f[0] + b[0] <= f0[0] + b0[0] + 1e-15
+    # ample attention compute: what is left is the unpaired micro-batch's share and the dispatches the
+    # expert MLPs cannot hide (EP 16 spans two nodes: the dispatches outlast the small experts' GEMMs)
+    f, b, _ = _exposed(plans, QWEN, _wl("combined_1f1b"), 100 * a2a, 100 * a2a)
+    ph2 = max(0.0, 2 * a2a[0] - 3 * mlp[0])
+    assert ph2 > 0 and f[0] + b[0] == pytest.approx((f0[0] + b0[0]) / 64 + 63 / 64 * ph2)
+
+
+def test_interleaved_warmup_share_stays_exposed():
+    pp, v, m = 2, 12, 128
+    plan = _plan(dp_shard=8, ep=8, pp=pp, schedule="Interleaved1F1B", stages_per_rank=v, n_microbatches=m)
+    big = np.full(1, 1e3)
+    f0, b0, _ = _exposed([plan], QWEN, _wl(), big, big)
+    f, b, _ = _exposed([plan], QWEN, _wl("combined_1f1b"), big, big)
+    warm = (pp - 1) * 2 + (v - 1) * pp + 1        # Megatron's warm-up chunks on the first rank, + 1 for the overlap
+    assert f[0] == pytest.approx(f0[0] * warm / (m * v)) and b[0] == pytest.approx(b0[0] * warm / (m * v))
+
+
+@pytest.mark.parametrize("kw,wl_kw", [
+    (dict(pp=2, schedule="1F1B", dp_shard=8, ep=8, n_microbatches=128), {}),    # pp > 1 needs an interleaved pipeline
+    (dict(ac="full"), {}),                                                      # no full recompute
+    (dict(ac="selective"), dict(selective_ac="modules", recompute_modules=("moe",))),   # no 'moe' module
+    (dict(n_microbatches=1, dp_shard=16), {}),                                  # no partner micro-batch
+])
+def test_not_applied_where_megatron_does_not_run_it(kw, wl_kw):
+    plan = _plan(**kw)
+    gb = plan.dp_shard * plan.microbatch * plan.n_microbatches
+    none = dataclasses.replace(_wl(**wl_kw), global_batch=gb)
+    ov = dataclasses.replace(none, ep_a2a_overlap="combined_1f1b")
+    e0 = estimate(CandidateTable.from_plans([plan]), QWEN, H100, none)
+    e1 = estimate(CandidateTable.from_plans([plan]), QWEN, H100, ov)
+    assert e0.time["ep_comm"][0] > 0 and e1.time["ep_comm"][0] == e0.time["ep_comm"][0]
+
+
+def test_overlap_cuts_the_step_where_it_runs():
+    plans = [_plan(), _plan(dp_shard=64, pp=8, tp=2, ep=64, schedule="Interleaved1F1B", stages_per_rank=4,
+                            n_microbatches=16)]
+    for model, plan in ((QWEN, plans[0]), (DSV3, plans[1])):
+        gb = plan.dp_shard * plan.n_microbatches
+        wl0, wl1 = dataclasses.replace(_wl(), global_batch=gb), dataclasses.replace(_wl("combined_1f1b"), global_batch=gb)
+        e0 = estimate(CandidateTable.from_plans([plan]), model, H100, wl0)
+        e1 = estimate(CandidateTable.from_plans([plan]), model, H100, wl1)
+        assert e1.time["ep_comm"][0] < e0.time["ep_comm"][0] and e1.step_time_s[0] < e0.step_time_s[0]
+        assert e1.time["compute"][0] == pytest.approx(e0.time["compute"][0])
+        assert e1.memory["activations"][0] == e0.memory["activations"][0]
+
+
+def test_default_and_unknown_value():
+    assert Workload(seq_len=8, global_batch=1).ep_a2a_overlap == "none"
+    with pytest.raises(SpecError, match="ep_a2a_overlap.*none, combined_1f1b; got 'a2a'"):
+        Workload(seq_len=8, global_batch=1, ep_a2a_overlap="a2a")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+
+
+BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "4096",
+        "--global-batch", "1024", "--ep", "16", "--microbatch", "1", "--ac", "none", "--state-layout", "megatron",
+        "--zero", "1", "--compile"]
+
+
+def test_flag_plan_file_and_json_echo(tmp_path):
+    r0 = _cli(*BASE, "--json")
+    r = _cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
+    assert r0.returncode == 0 and r.returncode == 0, r.stderr
+    d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
+    assert d0["workload"]["ep_a2a_overlap"] == "none"
+    assert doc["workload"]["ep_a2a_overlap"] == "combined_1f1b" and doc["inputs"]["workload"] == doc["workload"]
+    assert doc["predicted"]["time_s"]["ep_comm"] < d0["predicted"]["time_s"]["ep_comm"]
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm",
+                                 "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
+                                 "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
+                                              "zero": 1, "ep_a2a_overlap": "combined_1f1b"}}))
+    r2 = _cli("estimate", "--plan", str(f), "--json")
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
+
+
+def test_bad_values_exit_2(tmp_path):
+    r = _cli(*BASE, "--ep-a2a-overlap", "a2a")          # argparse's choices: usage and the error
+    assert r.returncode == 2 and "--ep-a2a-overlap: invalid choice: 'a2a'" in r.stderr
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm", "plan": {"dp_shard": 16, "ep": 16},
+                                 "workload": {"seq_len": 4096, "global_batch": 1024, "ep_a2a_overlap": "yes"}}))
+    r2 = _cli("estimate", "--plan", str(f))
+    err = r2.stderr.strip()
+    assert r2.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "ep_a2a_overlap" in err and "'yes'" in err and "combined_1f1b" in err
+
+
+def test_titan_run_refuses_the_overlap(tmp_path):
+    from executor.config import ConfigError, load_run_config
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 2, "microbatch": 2},
+                                 "workload": {"seq_len": 64, "global_batch": 4, "ep_a2a_overlap": "combined_1f1b"}}))
+    with pytest.raises(ConfigError) as ei:
+        load_run_config(str(f), [], world_size=2)
+    msg = str(ei.value)
+    assert msg.startswith("workload key 'ep_a2a_overlap' is 'combined_1f1b', but titan-run") and "\n" not in msg
+    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 2, "microbatch": 2},
+                                 "workload": {"seq_len": 64, "global_batch": 4, "ep_a2a_overlap": "none"}}))
+    assert load_run_config(str(f), [], world_size=2).workload.ep_a2a_overlap == "none"
+
+
+def _validator():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import validate_reference as V
+    return V
+
+
+def test_validator_applies_a_recipe_only_at_its_own_layout():
+    V = _validator()
+    recipes = V.load_recipes()
+    row = {"id": "mbridge_25.09_DeepSeek-V3_1024gpu",
+           "parallel": {"tp": 2, "pp": 8, "cp": 1, "vpp": 4, "ep": 64, "global_batch": 8192, "microbatch": 1}}
+    assert V.recipe_for(row, recipes) is recipes[row["id"]]
+    other = {**row, "parallel": {**row["parallel"], "vpp": 2}}
+    assert V.recipe_for(other, recipes) is None
+    assert V.recipe_for({**row, "id": "no-such-row"}, recipes) is None
+    for rid, rec in recipes.items():            # every entry names its source and the facts it applies
+        assert rec["source"]["commit"] and rec["cites"] and rec["layout"]["global_batch"] > 0, rid
+        assert rec.get("ep_a2a_overlap", "none") in ("none", "combined_1f1b"), rid
+        assert rec.get("recompute", "none") in ("none", "selective", "full"), rid
+
+
+def test_validator_case_takes_the_recipes_settings():
+    V = _validator()
+    rows = {r["id"]: r for r in V.load_rows()} if V.reference_dir().joinpath("published_runs.yaml").is_file() else {}
+    if "mbridge_25.09_DeepSeek-V3_1024gpu" not in rows:
+        pytest.skip("shared reference set not present")
+    c = V.build_case(rows["mbridge_25.09_DeepSeek-V3_1024gpu"])
+    assert c.plan.ac == "selective" and c.workload.selective_ac == "modules"
+    assert c.workload.recompute_modules == ("mla_up_proj", "mlp") and c.workload.ep_a2a_overlap == "combined_1f1b"
+    assert c.flags.get("dp_overlap") == 0.0
+    q = V.build_case(rows["mbridge_25.11_Qwen3_30B-A3B_16gpu"])     # the recipe's layout is not the row's
+    assert q.workload.ep_a2a_overlap == "none"
