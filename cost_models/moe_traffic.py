@@ -73,6 +73,36 @@ def ib_share(model, ep, per_node) -> np.ndarray:
     return np.where(nodes > 1, np.minimum(limited, uniform), uniform)
 
 
+def a2a_overlap_runs(table, workload) -> np.ndarray:
+    """[n] True where Megatron's EP all-to-all overlap (workload ``ep_a2a_overlap: combined_1f1b``) runs:
+    its TransformerConfig checks (megatron/core/transformer/transformer_config.py) ask for EP > 1, a
+    virtual pipeline when pp > 1 (here: Interleaved1F1B), no full recompute and no 'moe' in
+    recompute_modules; and the combined schedule needs a second micro-batch to pair with.  The scalar
+    twin is :func:`a2a_overlap_blocker`."""
+    if workload.ep_a2a_overlap != "combined_1f1b":
+        return np.zeros(len(table), dtype=bool)
+    moe_rec = table.is_ac("selective") & workload.recomputes("moe")
+    return ((table.ep > 1) & ((table.pp == 1) | table.is_schedule("Interleaved1F1B")) & ~table.is_ac("full")
+            & ~moe_rec & (table.n_microbatches >= 2))
+
+
+def a2a_overlap_blocker(plan, workload) -> str | None:
+    """Why `plan` keeps its all-to-alls exposed although the workload asks for ``combined_1f1b`` (one
+    phrase), or None when the overlap runs or is not asked for; the scalar twin of :func:`a2a_overlap_runs`."""
+    if workload.ep_a2a_overlap != "combined_1f1b":
+        return None
+    for bad, why in ((plan.ep <= 1, "ep 1: no all-to-all"),
+                     (plan.pp > 1 and plan.schedule != "Interleaved1F1B",
+                      f"schedule {plan.schedule} with pp {plan.pp}: Megatron overlaps under an interleaved pipeline only"),
+                     (plan.ac == "full", "ac full: Megatron refuses full recompute with the overlap"),
+                     (plan.ac == "selective" and workload.recomputes("moe"),
+                      "recompute module 'moe': Megatron refuses it with the overlap"),
+                     (plan.n_microbatches < 2, "one micro-batch: no second one to pair with")):
+        if bad:
+            return why
+    return None
+
+
 def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     """[n] bytes the busiest EP rank (of the most MoE-heavy pipeline rank) sends in all-to-alls per
     optimizer step; with ``coeffs.ep_imbalance == 1`` every EP rank sends that much."""
@@ -89,4 +119,4 @@ def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     return np.where(table.ep > 1, n_moe * table.n_microbatches * passes * one, 0.0)
 
 
-__all__ = ["ep_all_to_all_bytes", "ib_share"]
+__all__ = ["a2a_overlap_blocker", "a2a_overlap_runs", "ep_all_to_all_bytes", "ib_share"]

@@ -23,7 +23,7 @@ from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, he
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import attention_dims, layer_matmuls
 from .layout import layer_mix
-from .moe_traffic import ib_share
+from .moe_traffic import a2a_overlap_runs, ib_share
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
 
@@ -207,13 +207,10 @@ def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, 
     exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
     exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
                      (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
-    if workload.ep_a2a_overlap != "combined_1f1b":
+    runs = a2a_overlap_runs(table, workload) & ~dual      # Megatron's conditions (moe_traffic)
+    if not runs.any():
         return exp_f, exp_b
-    # Megatron's conditions (TransformerConfig.__post_init__): EP > 1, an interleaved pipeline when
-    # pp > 1, no full recompute, no 'moe' recompute module; and a partner micro-batch
     pp, v, m = table.pp.astype(np.float64), table.stages_per_rank.astype(np.float64), table.n_microbatches
-    runs = ((table.ep > 1) & ((table.pp == 1) | table.is_schedule("Interleaved1F1B")) & ~ac_full & ~dual
-            & (m >= 2))
     ffn = {mm.name for mm in layer_matmuls(model, True) if mm.group == "ffn"}
     mlp = layer_gemms(table, model, workload, coeffs, r, True, only=ffn.__contains__)[0]   # fwd = dgrad = wgrad
     phase1 = np.maximum(0.0, a2a - np.maximum(gpu_f - mlp, 0.0))      # combine bwd under attention fwd

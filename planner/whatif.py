@@ -21,6 +21,7 @@ import json
 import numpy as np
 
 from cost_models.estimate import GIB, Estimates, estimate
+from cost_models.moe_traffic import a2a_overlap_blocker
 from search_spaces import constraints as C
 from search_spaces.plan import PLAN_KEYS, Plan, PlanError
 from search_spaces.table import CandidateTable
@@ -102,14 +103,18 @@ def cmd_estimate(args) -> int:
     note = (f"titan-run cannot run this schedule ({not_runnable[0]}); the figures are a what-if"
             if not_runnable else None)
     plan, est, row, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
+    blocker = a2a_overlap_blocker(plan, workload)
+    overlap_note = (f"ep_a2a_overlap 'combined_1f1b' does not apply to this layout ({blocker}); its all-to-alls "
+                    "are counted exposed" if blocker else None)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,
-                          "note": note, "ac_note": ac_note, "predicted": report.predicted(est, row)}, indent=2))
+                          "note": note, "ac_note": ac_note, "overlap_note": overlap_note,
+                          "predicted": report.predicted(est, row)}, indent=2))
         return 0
     print(f"{model.name} on {gpus} x {hw.name}: {plan.layout_str()}  {plan.knobs_str()}")
     print(q.workload_line())
-    for line in (ac_note, note):
+    for line in (ac_note, overlap_note, note):
         if line:
             print(f"note: {line}")
     print(report.format_breakdown(est, row))

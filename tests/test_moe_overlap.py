@@ -19,6 +19,7 @@ from cost_models.comm import axis_links
 from cost_models.compute import Rates, layer_gemms
 from cost_models.estimate import estimate
 from cost_models.flops import layer_matmuls
+from cost_models.moe_traffic import a2a_overlap_blocker, a2a_overlap_runs
 from cost_models.specs import SpecError, load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
@@ -101,6 +102,33 @@ def test_not_applied_where_megatron_does_not_run_it(kw, wl_kw):
     e0 = estimate(CandidateTable.from_plans([plan]), QWEN, H100, none)
     e1 = estimate(CandidateTable.from_plans([plan]), QWEN, H100, ov)
     assert e0.time["ep_comm"][0] > 0 and e1.time["ep_comm"][0] == e0.time["ep_comm"][0]
+
+
+def test_scalar_twin_agrees_with_the_vectorized_rule():
+    plans = [_plan(), _plan(ac="full"), _plan(ac="selective"), _plan(ep=1), _plan(n_microbatches=1),
+             _plan(dp_shard=8, ep=8, pp=2, schedule="1F1B", n_microbatches=128),
+             _plan(dp_shard=8, ep=8, pp=2, schedule="GPipe", n_microbatches=128),
+             _plan(dp_shard=8, ep=8, pp=2, schedule="Interleaved1F1B", stages_per_rank=12, n_microbatches=128)]
+    table = CandidateTable.from_plans(plans)
+    for wl in (_wl("combined_1f1b"), _wl("combined_1f1b", selective_ac="modules", recompute_modules=("moe",)), _wl()):
+        runs = a2a_overlap_runs(table, wl)
+        why = [a2a_overlap_blocker(p, wl) for p in plans]
+        asked = wl.ep_a2a_overlap == "combined_1f1b"
+        assert [bool(x) for x in runs] == [asked and w is None for w in why], (wl, why)
+    assert sum(a2a_overlap_runs(table, _wl("combined_1f1b"))) == 3     # pp 1 (none, selective), interleaved
+
+
+def test_estimate_says_when_the_overlap_does_not_apply():
+    i = BASE.index("--ac")
+    full = [*BASE[:i], "--ac", "full", *BASE[i + 2:], "--ep-a2a-overlap", "combined_1f1b"]
+    r = _cli(*full, "--json")
+    assert r.returncode == 0, r.stderr
+    note = json.loads(r.stdout)["overlap_note"]
+    assert note.startswith("ep_a2a_overlap 'combined_1f1b' does not apply to this layout (ac full")
+    r2 = _cli(*full)
+    assert r2.returncode == 0 and "note: ep_a2a_overlap 'combined_1f1b' does not apply" in r2.stdout
+    r3 = _cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
+    assert json.loads(r3.stdout)["overlap_note"] is None
 
 
 def test_overlap_cuts_the_step_where_it_runs():
