@@ -93,7 +93,8 @@ def a2a_overlap_blocker(plan, workload) -> str | None:
         return None
     for bad, why in ((plan.ep <= 1, "ep 1: no all-to-all"),
                      (plan.pp > 1 and plan.schedule != "Interleaved1F1B",
-                      f"schedule {plan.schedule} with pp {plan.pp}: Megatron overlaps under an interleaved pipeline only"),
+                      f"schedule {plan.schedule} with pp {plan.pp}: Megatron overlaps under an interleaved "
+                      "pipeline only"),
                      (plan.ac == "full", "ac full: Megatron refuses full recompute with the overlap"),
                      (plan.ac == "selective" and workload.recomputes("moe"),
                       "recompute module 'moe': Megatron refuses it with the overlap"),

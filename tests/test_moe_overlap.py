@@ -136,7 +136,8 @@ def test_overlap_cuts_the_step_where_it_runs():
                             n_microbatches=16)]
     for model, plan in ((QWEN, plans[0]), (DSV3, plans[1])):
         gb = plan.dp_shard * plan.n_microbatches
-        wl0, wl1 = dataclasses.replace(_wl(), global_batch=gb), dataclasses.replace(_wl("combined_1f1b"), global_batch=gb)
+        wl0 = dataclasses.replace(_wl(), global_batch=gb)
+        wl1 = dataclasses.replace(wl0, ep_a2a_overlap="combined_1f1b")
         e0 = estimate(CandidateTable.from_plans([plan]), model, H100, wl0)
         e1 = estimate(CandidateTable.from_plans([plan]), model, H100, wl1)
         assert e1.time["ep_comm"][0] < e0.time["ep_comm"][0] and e1.step_time_s[0] < e0.step_time_s[0]
