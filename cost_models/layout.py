@@ -223,6 +223,12 @@ def rank_params(table, model) -> dict[str, np.ndarray]:
     for which in RANKS:
         nd, nm = layer_mix(table, model, which=which)
         has_emb, has_head = holds_ends(table, model, which)
+        if model.tie_embeddings:
+            # a tied LM head on another rank than the embedding is a second copy of the weight, with its
+            # own gradient and optimizer state (Megatron-LM's word embeddings on the last stage,
+            # DeepSpeed's TiedLayerSpec owners), kept equal by a per-step all-reduce
+            # (step_time.tied_embedding_sync)
+            head = np.where(has_head & ~has_emb, emb, 0.0) + pc["final_norm"]
         dense = nd * dense_block + nm * moe_dense + np.where(has_emb, emb, 0.0) + np.where(has_head, head, 0.0)
         out[f"{which}_dense"] = dense
         out[f"{which}_expert"] = nm * moe_expert

@@ -1,6 +1,7 @@
 """cost_models.layout: the one pipeline split, tied to the executor's (issue 12 item 2)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -8,8 +9,9 @@ import pytest
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import estimate
+from cost_models.flops import param_counts
 from cost_models.layout import (busiest_rank_layers, holds_ends, in_flight_on_rank, layer_mix, rank_index,
-                                rank_layers, stage_layer_counts)
+                                rank_layers, rank_params, stage_layer_counts)
 from cost_models.specs import load_hardware, load_model
 from cost_models.workload import Workload
 from executor.dry_run_step import rank_actions
@@ -123,3 +125,23 @@ def test_issue_example_compute_follows_the_busiest_ranks_layers():
                 for r in range(16)) for p in plans] == [5, 5, 5]
     c = estimate(t, model, hw, wl, Coefficients()).time["compute"]
     np.testing.assert_allclose(c, c[0], rtol=1e-9)
+
+
+def test_a_tied_head_on_another_rank_is_a_second_copy_of_the_embedding():
+    """Tied embeddings: with one pipeline stage the head *is* the embedding (counted once); with
+    pipelining the last stage holds its own copy (Megatron-LM, DeepSpeed TiedLayerSpec), with its
+    gradient and optimizer state; a V schedule keeps both ends on rank 0, so one copy again."""
+    tied = dataclasses.replace(load_model("llama3-8b"), tie_embeddings=True)
+    pc = param_counts(tied)
+    emb = pc["embedding"] / 2
+    t = CandidateTable.from_plans([
+        Plan(dp_shard=1, pp=4, tp=2, microbatch=1, n_microbatches=8, schedule="1F1B"),
+        Plan(dp_shard=4, tp=2, microbatch=1, n_microbatches=1),
+        Plan(dp_shard=1, pp=2, tp=2, microbatch=1, n_microbatches=8, schedule="ZBVZeroBubble", stages_per_rank=2)])
+    rp = rank_params(t, tied)
+    nd, _ = rp["last_layers"]
+    assert rp["last_dense"][0] == pytest.approx(nd[0] * rp["dense_block"][0] + emb + pc["final_norm"])
+    nd1, _ = rp["first_layers"]
+    assert rp["first_dense"][1] == pytest.approx(nd1[1] * rp["dense_block"][1] + emb + pc["final_norm"])
+    nd2, _ = rp["first_layers"]
+    assert rp["first_dense"][2] == pytest.approx(nd2[2] * rp["dense_block"][2] + emb + pc["final_norm"])
