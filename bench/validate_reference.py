@@ -312,6 +312,7 @@ def build_case(row) -> Case:
                         selective_ac="modules" if modules else "attention" if megatron else "op",
                         recompute_modules=modules or ("core_attn",),
                         ep_a2a_overlap=str(recipe.get("ep_a2a_overlap", "none")),
+                        moe_weighting=str(recipe.get("moe_weighting", "auto")),
                         grad_dtype="bf16" if (source in NVIDIA_RECIPES or fp16_ds) and state == "megatron" else "fp32",
                         loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "auto",
                         grad_accum="autograd" if fp16_ds else "hp_copy" if source == "megatron-deepspeed-2022"

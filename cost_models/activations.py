@@ -49,7 +49,7 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan RMSNorm upcasts to fp32
     and keeps the fp32 input plus the bf16 normalized output (3x the bf16 width), a fused norm
     keeps its input; MoE blocks keep the top_k dispatched copies of the token, each expert's
-    hidden and output.
+    hidden and, when the combine applies the router weights (``Workload.moe_weighting``), its output.
     Selective: 'attention' (Megatron, Korthikanti Sec. 4.3) drops the attention core's
     tensors (scores, or O and the LSE); 'op' (TorchTitan) keeps the block input, the
     1st/3rd/5th/... matmul outputs in forward order and the attention outputs; 'matmul'
@@ -153,7 +153,8 @@ def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, lin: float)
     hidden, act_out = _saved_ffn_parts(model, w, e, lin, compiled, fused_mlp)
     shared = (sum(_saved_ffn_parts(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp))
               if model.n_shared_experts else 0.0)
-    return np.array([k * hidden, k * (lin * model.dim + e * model.dim), shared, k * act_out])
+    outputs = e * model.dim if workload.moe_keeps_expert_outputs else 0.0   # kept by a weighted combine
+    return np.array([k * hidden, k * (lin * model.dim + outputs), shared, k * act_out])
 
 
 def _module_drops(model, workload, moe: bool, compiled: bool, f8_fraction: float) -> np.ndarray:

@@ -73,6 +73,14 @@ class Workload:
     it only with EP > 1, an interleaved pipeline when pp > 1, no full recompute and no ``moe`` in
     ``recompute_modules``; a candidate outside those keeps its all-to-alls exposed.
 
+    ``moe_weighting`` is where a MoE block multiplies the expert outputs by the router's weights:
+    ``combine`` (this executor, TorchTitan, and Megatron-core before its "memory efficient token
+    permutation", megatron-lm commit 2659630, April 2025: the weighted sum at the combine keeps every
+    routed expert output, [tokens * top_k, dim], for the weights' gradient) or ``activation`` (Megatron-
+    core since that commit, core_r0.13 on: the permuted weights are multiplied into the experts'
+    activation, ``activation_func_with_probs``, so the un-permute keeps nothing); ``auto`` is
+    ``activation`` for the megatron layout and ``combine`` for fsdp2.
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -106,6 +114,7 @@ class Workload:
     recompute_modules: tuple[Literal[RECOMPUTE_MODULES], ...] = ("core_attn",)   # with selective_ac: modules
     tp_activations: Literal["auto", "gathered", "sharded"] = "auto"   # what TP blocks keep of gathered tensors
     ep_a2a_overlap: Literal["none", "combined_1f1b"] = "none"   # MoE all-to-alls under the other micro-batch
+    moe_weighting: Literal["auto", "combine", "activation"] = "auto"   # where router weights multiply
     norm_impl: Literal["auto", "eager", "fused"] = "auto"     # the RMSNorm/LayerNorm kernel
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
@@ -135,6 +144,14 @@ class Workload:
         all-gathered inputs (and full-size partial sums), False when they keep sequence shards."""
         if self.tp_activations != "auto":
             return self.tp_activations == "gathered"
+        return self.state_layout == "fsdp2"
+
+    @property
+    def moe_keeps_expert_outputs(self) -> bool:
+        """``moe_weighting`` with ``auto`` resolved by the state layout: True when the combine's weighted
+        sum keeps the routed experts' outputs for backward."""
+        if self.moe_weighting != "auto":
+            return self.moe_weighting == "combine"
         return self.state_layout == "fsdp2"
 
     def norm_fused(self, compiled: bool) -> bool:

@@ -295,6 +295,8 @@ _OTHER_FRAMEWORKS = (
     ("loss_impl", lambda wl: wl.loss_mode == "eager", "titan-run computes the loss on fp32-upcast logits (eager"),
     ("ep_a2a_overlap", lambda wl: wl.ep_a2a_overlap == "none",
      "titan-run runs each MoE all-to-all in its own micro-batch's forward and backward (none"),
+    ("moe_weighting", lambda wl: wl.moe_weighting != "activation",
+     "titan-run weights the expert outputs at the combine (auto or combine"),
 )
 
 

@@ -30,7 +30,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
-                  "grad_accum", "ep_a2a_overlap")
+                  "grad_accum", "ep_a2a_overlap", "moe_weighting")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -63,6 +63,9 @@ WORKLOAD_HELP = {
     "ep_a2a_overlap": "MoE all-to-alls: none (default: on the critical path, titan-run) or combined_1f1b "
                       "(Megatron's overlap_moe_expert_parallel_comm: one micro-batch's dispatch/combine under "
                       "another's compute; needs ep > 1, Interleaved1F1B when pp > 1, no full or 'moe' recompute)",
+    "moe_weighting": "where MoE router weights multiply: auto (default: activation for megatron, combine for "
+                     "fsdp2), combine (weighted sum of the expert outputs, which are kept: titan-run, TorchTitan) or "
+                     "activation (Megatron-core >= 0.13 multiplies them into the experts' activation)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 

@@ -1,0 +1,100 @@
+"""Where a MoE block applies its router weights (workload moe_weighting): at the combine, which keeps the
+routed experts' outputs for the weights' gradient (titan-run, TorchTitan, Megatron-core before April
+2025), or in the experts' activation (Megatron-core since commit 2659630, which keeps none); the flag,
+the plan-file key, the --json echo, the one-line error and titan-run's refusal."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cost_models.activations import SHARD, layer_activation_terms
+from cost_models.specs import SpecError, load_model
+from cost_models.workload import Workload
+from executor.config import ConfigError, load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DSV3 = load_model("deepseek-v3-671b")
+
+
+def test_auto_follows_the_state_layout():
+    assert Workload(seq_len=8, global_batch=1).moe_keeps_expert_outputs
+    assert not Workload(seq_len=8, global_batch=1, state_layout="megatron").moe_keeps_expert_outputs
+    assert Workload(seq_len=8, global_batch=1, state_layout="megatron", moe_weighting="combine").moe_keeps_expert_outputs
+    assert not Workload(seq_len=8, global_batch=1, moe_weighting="activation").moe_keeps_expert_outputs
+    with pytest.raises(SpecError, match="moe_weighting.*auto, combine, activation; got 'probs'"):
+        Workload(seq_len=8, global_batch=1, moe_weighting="probs")
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "megatron"])
+def test_activation_weighting_drops_exactly_the_routed_outputs(layout):
+    """top_k copies of a [dim] bf16 expert output per token, head/FFN-sharded; nothing else moves, and a
+    dense block does not depend on it; full recompute keeps the block input only, either way."""
+    comb = Workload(seq_len=4096, global_batch=8, state_layout=layout, moe_weighting="combine",
+                    selective_ac="attention")      # a policy that keeps the FFN's stored tensors
+    act = dataclasses.replace(comb, moe_weighting="activation")
+    for ac in ("none", "selective"):
+        t_c = layer_activation_terms(DSV3, comb, True, ac, True, 1.0)
+        t_a = layer_activation_terms(DSV3, act, True, ac, True, 1.0)
+        diff = t_c - t_a
+        assert diff[SHARD] == pytest.approx(DSV3.top_k * 2.0 * DSV3.dim)
+        diff[SHARD] = 0.0
+        assert not diff.any()
+        assert (layer_activation_terms(DSV3, comb, False, ac, True, 1.0)
+                == layer_activation_terms(DSV3, act, False, ac, True, 1.0)).all()
+    assert (layer_activation_terms(DSV3, comb, True, "full", True, 1.0)
+            == layer_activation_terms(DSV3, act, True, "full", True, 1.0)).all()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+
+
+BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "4096",
+        "--global-batch", "1024", "--ep", "16", "--microbatch", "1", "--ac", "none", "--state-layout", "megatron",
+        "--zero", "1", "--compile"]
+
+
+def test_flag_plan_file_json_echo_and_bad_values(tmp_path):
+    r0 = _cli(*BASE, "--moe-weighting", "combine", "--json")
+    r = _cli(*BASE, "--json")
+    assert r0.returncode == 0 and r.returncode == 0, r.stderr
+    d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
+    assert d0["workload"]["moe_weighting"] == "combine" and doc["workload"]["moe_weighting"] == "auto"
+    assert doc["predicted"]["memory_gib"]["activations"] < d0["predicted"]["memory_gib"]["activations"]
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm",
+                                 "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
+                                 "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
+                                              "zero": 1, "moe_weighting": "combine"}}))
+    r2 = _cli("estimate", "--plan", str(f), "--json")
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["predicted"] == d0["predicted"]
+    bad = _cli(*BASE, "--moe-weighting", "probs")
+    assert bad.returncode == 2 and "--moe-weighting: invalid choice: 'probs'" in bad.stderr
+    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm", "plan": {"dp_shard": 16, "ep": 16},
+                                 "workload": {"seq_len": 4096, "global_batch": 1024, "moe_weighting": "yes"}}))
+    r3 = _cli("estimate", "--plan", str(f))
+    err = r3.stderr.strip()
+    assert r3.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "moe_weighting" in err and "'yes'" in err and "activation" in err
+
+
+def test_titan_run_refuses_activation_weighting(tmp_path):
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump({"model": "moe-debug", "plan": {"dp_shard": 2, "ep": 2, "microbatch": 2},
+                                 "workload": {"seq_len": 64, "global_batch": 4, "moe_weighting": "activation"}}))
+    with pytest.raises(ConfigError) as ei:
+        load_run_config(str(f), [], world_size=2)
+    msg = str(ei.value)
+    assert msg.startswith("workload key 'moe_weighting' is 'activation', but titan-run") and "\n" not in msg
+    for ok in ("auto", "combine"):
+        f.write_text(yaml.safe_dump({"model": "moe-debug", "plan": {"dp_shard": 2, "ep": 2, "microbatch": 2},
+                                     "workload": {"seq_len": 64, "global_batch": 4, "moe_weighting": ok}}))
+        assert load_run_config(str(f), [], world_size=2).workload.moe_weighting == ok
