@@ -98,6 +98,9 @@ framework):
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
+* `ran_out_of_memory: true` marks a published layout that did not run (the source reports OOM): it
+  has no figure to score, and it must be predicted NOT to fit (the OOM check, the other half of the
+  memory verdict: a layout the planner calls feasible must not run out of memory).
 """
 from __future__ import annotations
 
@@ -171,6 +174,7 @@ class Case:
     flags: dict = field(default_factory=dict)      # framework features, as coefficient overrides
     not_counted: dict = field(default_factory=dict)  # metric -> why it is shown but not scored
     trained: bool = True                           # the figures come from a run that trained
+    oom: bool = False                              # the source reports that this layout ran out of memory
 
 
 def _num(v):
@@ -363,7 +367,10 @@ def build_case(row) -> Case:
     trained = bool(row.get("trained", True))
     if korthikanti and ac == "none" and "exceed 80 GB" in str(row["source"].get("caveat", "")):
         trained = False   # the source: the no-recompute bars exceed 80 GB, so they are analytic, not a run
-    return Case(rid, model, hw, workload, plan, measured, flags, not_counted, trained)
+    oom = bool(row.get("ran_out_of_memory"))
+    if oom and measured:
+        raise ValueError("a row that ran out of memory has no measured figures")
+    return Case(rid, model, hw, workload, plan, measured, flags, not_counted, trained and not oom, oom)
 
 
 def load_rows(ref_dir: Path | None = None) -> list[dict]:
@@ -435,6 +442,20 @@ def fit_check(cases, coeffs: Coefficients | None = None) -> dict:
     return {"n": n, "misses": misses}
 
 
+def oom_check(cases, coeffs: Coefficients | None = None) -> dict:
+    """Every layout that ran out of memory must be predicted not to fit: {'n': OOM cases, 'misses':
+    [(id, GiB, capacity)]} -- the planner would have called these feasible."""
+    misses, n = [], 0
+    for c in cases:
+        if not c.oom:
+            continue
+        n += 1
+        p = predict(c, coeffs)
+        if p["fits"]:
+            misses.append((c.id, p["device_peak_gib"], p["capacity_gib"]))
+    return {"n": n, "misses": misses}
+
+
 def load_set(name: str) -> list[dict]:
     if name == "shared":
         return load_rows()
@@ -453,6 +474,9 @@ def headline_part(name: str, cases, skipped, results, fit) -> str:
         else:
             parts.append(f"{g} n=0")
     parts.append(f"fit {fit['n'] - len(fit['misses'])}/{fit['n']} trained runs predicted to fit")
+    oom = fit.get("oom") or {"n": 0, "misses": []}
+    if oom["n"]:
+        parts.append(f"oom {oom['n'] - len(oom['misses'])}/{oom['n']} out-of-memory layouts predicted not to fit")
     return f"{name}: {len(cases)} rows expressed, {len(skipped)} not; " + ", ".join(parts)
 
 
@@ -480,6 +504,7 @@ def report_set(name: str, rows) -> str:
     cases, skipped = build_cases(rows)
     results = evaluate(cases)
     fit = fit_check(cases)
+    fit["oom"] = oom_check(cases)
     print(f"== set '{name}' ({len(rows)} rows)")
     print(f"{'row':48s} {'metric':22s} {'measured':>10s} {'predicted':>10s} {'APE%':>6s}  plan")
     for r in results:
@@ -498,6 +523,14 @@ def report_set(name: str, rows) -> str:
         print(f"\ntrained runs predicted NOT to fit ({len(fit['misses'])} of {fit['n']}):")
         for rid, gib, cap in fit["misses"]:
             print(f"  {rid}: predicted {gib:.1f} GiB > {cap:.1f} GiB usable")
+    oom = fit["oom"]
+    if oom["n"]:
+        print(f"\nlayouts that ran out of memory ({oom['n']}), predicted peak vs usable:")
+        for c in cases:
+            if c.oom:
+                p = predict(c)
+                verdict = "does not fit (right)" if not p["fits"] else "FITS (wrong: the run ran out of memory)"
+                print(f"  {c.id}: {p['device_peak_gib']:.1f} GiB vs {p['capacity_gib']:.1f} GiB -> {verdict}")
     by_fw = {}
     fw = {r["id"]: str(r.get("framework") or r["id"].split("_")[0]) for r in rows}
     for r in results:
@@ -518,7 +551,10 @@ def report_set(name: str, rows) -> str:
         if g in s:
             x = s[g]
             print(f"  {g}: n={x['n']} median APE {x['median_ape']:.1f}%, worst {x['worst_ape']:.1f}% ({x['worst_id']})")
-    print(f"  fit: {fit['n'] - len(fit['misses'])} of {fit['n']} trained runs predicted to fit\n")
+    print(f"  fit: {fit['n'] - len(fit['misses'])} of {fit['n']} trained runs predicted to fit")
+    if oom["n"]:
+        print(f"  oom: {oom['n'] - len(oom['misses'])} of {oom['n']} layouts that ran out of memory predicted not to fit")
+    print()
     return headline_part(name, cases, skipped, results, fit)
 
 

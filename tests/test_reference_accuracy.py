@@ -107,7 +107,9 @@ def test_extra_rows_parse_and_are_expressed_or_explained():
     assert len(cases) + len(skipped) == len(rows)
     assert all(len(why) > 20 for _, why in skipped)
     results = vr.evaluate(cases)
-    assert {r["id"] for r in results} == {c.id for c in cases}   # every expressed row is scored on something
+    # every expressed row is scored on something: a figure, or the OOM check for a layout that ran out of memory
+    assert {r["id"] for r in results} == {c.id for c in cases if not c.oom}
+    assert all(c.oom for c in cases if not c.measured)
     assert all(r["predicted"] > 0 and r["measured"] > 0 for r in results)
 
 
@@ -137,3 +139,25 @@ def test_cli_scores_each_set_and_ends_with_the_headline(capsys):
     with pytest.raises(SystemExit) as e:
         vr.main(["--set", "nope"])
     assert e.value.code == 2
+
+
+def test_oom_check_scores_the_layouts_that_ran_out_of_memory():
+    """Rows with ran_out_of_memory are expressed (not skipped), left out of the fit check, and scored by
+    the OOM check: a layout predicted to fit that ran out of memory is a miss; a row cannot carry both
+    OOM and measured figures."""
+    import copy
+    rows = vr.load_extra_rows()
+    oom_rows = [r for r in rows if r.get("ran_out_of_memory")]
+    assert len(oom_rows) >= 4
+    cases, skipped = vr.build_cases(oom_rows)
+    assert not skipped and all(c.oom and not c.trained and not c.measured for c in cases)
+    res = vr.oom_check(cases)
+    assert res["n"] == len(cases)
+    for c in cases:
+        fits = vr.predict(c)["fits"]
+        assert (c.id in {rid for rid, _, _ in res["misses"]}) == fits
+    assert vr.fit_check(cases)["n"] == 0
+    bad = copy.deepcopy(oom_rows[0])
+    bad["measured"] = {"step_time_s": 100.0}
+    with pytest.raises(ValueError, match="ran out of memory has no measured figures"):
+        vr.build_case(bad)
