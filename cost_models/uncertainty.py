@@ -42,6 +42,7 @@ from search_spaces.plan import SCHEDULES
 from search_spaces.yaml_file import read_yaml
 
 from .flops import param_counts
+from .moe_traffic import a2a_overlap_runs
 from .specs import SpecError
 
 UNCERTAINTY_FILE = Path(__file__).parent / "presets" / "uncertainty.yaml"
@@ -99,6 +100,12 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
         add("selective recompute by Megatron submodules", table.is_ac("selective"))
     add("tensor parallel keeping " + ("gathered inputs" if workload.tp_keeps_gathered else "sequence shards"),
         table.tp > 1)
+    if model.is_moe:
+        if workload.ep_a2a_overlap != "none":
+            add("MoE all-to-alls under the other micro-batch (combined 1F1B)",
+                a2a_overlap_runs(table, workload))
+        add("MoE router weights " + ("at the combine" if workload.moe_keeps_expert_outputs
+                                     else "in the experts' activation"), table.ep >= 1)
     add(f"{workload.state_layout} state layout", np.ones(n, dtype=bool))
     add(f"hardware {hw.name}", np.ones(n, dtype=bool))
     return out
