@@ -123,6 +123,7 @@ from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import GIB, estimate  # noqa: E402
 from cost_models.memory import nccl_buffer_bytes  # noqa: E402
 from cost_models.flops import megatron_flops_per_token  # noqa: E402
+from cost_models.frameworks import get_framework  # noqa: E402
 from cost_models.specs import PRESET_DIR, load_hardware, load_model, model_from_dict  # noqa: E402
 from cost_models.workload import Workload  # noqa: E402
 from planner.whatif import AC_ORDER, choose_ac  # noqa: E402
@@ -147,10 +148,14 @@ NOT_EXPRESSIBLE = {
 EXTRA_PATH = Path(__file__).resolve().parent / "reference_extra.yaml"
 RECIPES_PATH = Path(__file__).resolve().parent / "reference_recipes.yaml"
 SETS = ("shared", "extra")
-MEGATRON = ("korthikanti", "megatron", "mbridge", "nemo", "nemo-megatron-2022", "megatron-deepspeed-2022")
-MATERIALIZED = ("korthikanti", "nemo-megatron-2022", "megatron-deepspeed-2022")   # 2022 Megatron stacks: fused softmax (no flash), dropout
-FSDP_STACKS = ("torchtitan", "composer-fsdp", "llama3-meta")
-NVIDIA_RECIPES = ("nemo", "mbridge")        # NeMo / Megatron-Bridge performance recipes: bf16 grads, fused loss
+# each row's `framework:` -> its regime in cost_models/frameworks.py (`titan-plan estimate --framework`)
+FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-2022", "megatron": "megatron-lm",
+                "mbridge": "megatron-bridge", "nemo": "nemo", "megatron-deepspeed-2022": "megatron-deepspeed",
+                "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan"}
+MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if v.startswith("megatron") or v == "nemo")
+FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
+MATERIALIZED = tuple(k for k in MEGATRON
+                     if get_framework(FRAMEWORK_OF[k]).workload.get("attention_impl") == "materialized")
 
 
 ASYNC_TP_WHY = ("TorchTitan async TP hides only part of the TP collectives (measured +6-16% over vanilla TP); the "
@@ -310,23 +315,30 @@ def build_case(row) -> Case:
     # BLOOM runs before DeepSpeed's BF16 optimizer: fp16, gradients accumulated in 16 bits by autograd
     prec = str(par.get("precision", "")).lower()
     fp16_ds = source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16"))
-    workload = Workload(seq_len=seq, global_batch=gb, state_layout=state, zero=zero,
-                        attention_impl="materialized" if materialized else "fused", dropout=materialized,
-                        sequence_parallel=bool(par.get("sequence_parallel", True) if materialized else True),
-                        selective_ac="modules" if modules else "attention" if megatron else "op",
-                        recompute_modules=modules or ("core_attn",),
-                        ep_a2a_overlap=str(recipe.get("ep_a2a_overlap", "none")),
-                        moe_weighting=str(recipe.get("moe_weighting", "auto")),
-                        grad_dtype="bf16" if (source in NVIDIA_RECIPES or fp16_ds) and state == "megatron" else "fp32",
-                        loss_impl="fused" if source in NVIDIA_RECIPES + ("composer-fsdp",) else "auto",
-                        grad_accum="autograd" if fp16_ds else "hp_copy" if source == "megatron-deepspeed-2022"
-                        else "auto", norm_impl=norm,
-                        # llama3-meta: the paper's TP is Korthikanti et al.'s (cited in Sec. 3.3.2), which keeps
-                        # the sequence shard of each all-gathered input (Sec. 4.2.2), not DTensor's gathered copy
-                        tp_activations="sharded" if source == "llama3-meta" else "auto")
-    flags = {"tp_overlap": 1.0} if source in ("megatron", "mbridge", "nemo") else {}
-    if source == "megatron-deepspeed-2022":
-        flags["dp_overlap"] = 0.0     # DeepSpeed's pipeline TrainSchedule reduces after the last backward
+    # the framework's regime (cost_models/frameworks.py, what `titan-plan estimate --framework` gives), then
+    # what the row states
+    fw = get_framework(FRAMEWORK_OF[source])
+    kw = dict(fw.workload)
+    if state == "fsdp2":        # a Megatron row run with FSDP keeps FSDP's state
+        for k in ("state_layout", "zero", "grad_dtype"):
+            kw.pop(k, None)
+    kw.update(state_layout=state, zero=zero, norm_impl=norm,
+              ep_a2a_overlap=str(recipe.get("ep_a2a_overlap", "none")),
+              moe_weighting=str(recipe.get("moe_weighting", "auto")))
+    if materialized and "sequence_parallel" in par:
+        kw["sequence_parallel"] = bool(par["sequence_parallel"])
+    if modules:
+        kw.update(selective_ac="modules", recompute_modules=modules)
+    if fp16_ds:                 # 16-bit gradients accumulated by autograd
+        kw.update(grad_dtype="bf16", grad_accum="autograd")
+    if source == "llama3-meta":
+        # the paper's TP is Korthikanti et al.'s (cited in Sec. 3.3.2), which keeps the sequence shard of
+        # each all-gathered input (Sec. 4.2.2), not DTensor's gathered copy
+        kw["tp_activations"] = "sharded"
+    workload = Workload(seq_len=seq, global_batch=gb, **kw)
+    flags = dict(fw.coefficients)
+    if source == "megatron":
+        flags["tp_overlap"] = 1.0   # the Megatron-LM README's weak-scaling table: "TP overlap flags on"
     if recipe.get("overlap_grad_reduce") is False:
         flags["dp_overlap"] = 0.0     # the recipe turns Megatron's overlapped gradient reduction off
     if dp * mb == 0 or gb % (dp * mb):
@@ -537,7 +549,7 @@ def report_set(name: str, rows) -> str:
         if r["counted"]:
             by_fw.setdefault((fw[r["id"]], "throughput" if r["metric"] == "tokens_per_s_per_gpu" else "memory"), []).append(r["ape"])
     if by_fw:
-        print(f"\nby framework (median / worst APE, n):")
+        print("\nby framework (median / worst APE, n):")
         for (f, g), apes in sorted(by_fw.items()):
             print(f"  {f:26s} {g:10s} {statistics.median(apes):6.1f}% / {max(apes):6.1f}%  n={len(apes)}")
     groups = ranking_groups(cases, results)

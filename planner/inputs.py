@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cost_models.coefficients import Coefficients
+from cost_models.frameworks import framework_help, get_framework
 from cost_models.specs import HardwareSpec, ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
@@ -88,6 +89,7 @@ class PlanInputs:
     model_ref: str               # as given: preset name or path (what a plan file names)
     hardware_ref: str
     calibration: str | None = None
+    framework: str = "titan-run"  # the regime the workload and overlap defaults came from (--framework)
 
     def echo(self) -> dict[str, Any]:
         """Every input, as plain values (``--json`` and the plan file's ``inputs:``)."""
@@ -95,7 +97,7 @@ class PlanInputs:
         return {"model": self.model_ref, "hardware": self.hardware_ref, "gpus": self.gpus,
                 "gpus_per_node": self.gpus_per_node, "seq_len": w.seq_len, "global_batch": w.global_batch,
                 "global_batch_tokens": w.global_batch_tokens, "dtype": w.dtype, "workload": w.to_dict(),
-                "calibration": self.calibration,
+                "calibration": self.calibration, "framework": self.framework,
                 "local_devices": self.local.description if self.local else None}
 
     def workload_line(self) -> str:
@@ -108,7 +110,8 @@ class PlanInputs:
 
     def headline(self) -> str:
         return (f"{self.model.name} on {self.gpus} x {self.hardware.name} ({self.gpus_per_node} per node), "
-                f"{self.workload_line()}" + (f"  [local: {self.local.description}]" if self.local else ""))
+                f"{self.workload_line()}" + (f", framework {self.framework}" if self.framework != "titan-run" else "")
+                + (f"  [local: {self.local.description}]" if self.local else ""))
 
 
 _WORKLOAD_DEFAULTS = Workload(seq_len=1, global_batch=1).to_dict()    # as plain values, like workload_line's
@@ -123,6 +126,10 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node (default: from the hardware spec)")
     p.add_argument("--calibration", help="calibration file from 'titan-plan calibrate'")
+    p.add_argument("--framework", metavar="NAME",
+                   help="start from the workload keys and overlaps another framework's runs use, to check a "
+                        "published configuration (workload flags and a plan file's workload: still win): "
+                        + framework_help() + " (default titan-run)")
     w = p.add_argument_group("workload (each also a key of a plan file's 'workload:')")
     w.add_argument("--seq-len", type=int, help="sequence length (default: 8192, or 256 for debug models)")
     g = w.add_mutually_exclusive_group()
@@ -171,7 +178,8 @@ def read_question(path: str | None, args) -> tuple[dict[str, Any], dict[str, Any
     given = dict(pf["plan"] or {})
     inputs = pf.get("inputs") or {}
     d = {"model": pf.get("model"), "hardware": pf.get("hardware"), "workload": pf.get("workload"),
-         "gpus": inputs.get("gpus"), "gpus_per_node": inputs.get("gpus_per_node")}
+         "gpus": inputs.get("gpus"), "gpus_per_node": inputs.get("gpus_per_node"),
+         "framework": inputs.get("framework")}
     if d["gpus"] is None and args.gpus is None:   # the plan's own world
         d["gpus"] = Plan.from_dict(given, where=f"{path}: plan", runnable=False).world_size
     return given, d
@@ -197,17 +205,21 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     _check_count("--gpus-per-node (or the plan file's inputs.gpus_per_node)", gpn)
     if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpn))
+    fw = get_framework(_given(getattr(args, "framework", None), d.get("framework"), "titan-run"))
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
-                                where=f"{where}: workload")
+                                where=f"{where}: workload", base=fw.workload)
     coeffs = Coefficients.load(args.calibration) if args.calibration else None
+    if fw.coefficients:     # the overlaps the framework runs, over a calibration's
+        coeffs = (coeffs or Coefficients()).replace(**fw.coefficients)
     return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
                       local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),
-                      calibration=args.calibration)
+                      calibration=args.calibration, framework=fw.name)
 
 
 def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: HardwareSpec, gpus: int,
-                     where: str = "workload") -> Workload:
-    """Flags over the plan file's `given` workload over the defaults; unknown plan-file keys refused."""
+                     where: str = "workload", base: Mapping[str, Any] | None = None) -> Workload:
+    """Flags over the plan file's `given` workload over `base` (a framework's regime) over the defaults;
+    unknown plan-file keys refused."""
     check_keys(given, WORKLOAD_KEYS, where=where, error=SpecError)
     small = _n_params_estimate(model) < 1e8
     seq_len = _given(args.seq_len, given.get("seq_len"), 256 if small else min(8192, model.max_seq_len))
@@ -223,7 +235,8 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
         gb = given["global_batch"]
     else:  # default: about 1M tokens for real models, 8 sequences per device for debug models
         gb = 8 * gpus if small else max(1, 2 ** 20 // seq_len)
-    kw: dict[str, Any] = {k: given[k] for k in WORKLOAD_FLAGS if k in given}
+    kw: dict[str, Any] = dict(base or {})
+    kw.update({k: given[k] for k in WORKLOAD_FLAGS if k in given})
     kw.update({k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None})
     kw.setdefault("dtype", "fp32" if hw.device == "cpu" else "bf16")
     return Workload(seq_len=seq_len, global_batch=gb, **kw)

@@ -1,0 +1,82 @@
+"""Framework regimes: the workload keys and overlap coefficients a training framework's runs use.
+
+`titan-plan estimate --framework NAME` (and `titan-plan plan`) starts from these instead of this
+executor's defaults, so a published configuration of another framework is one flag away; explicit
+workload flags and a plan file's ``workload:`` still win.  bench/validate_reference.py maps every
+published row through the same table (its `framework:` field), so what is validated is what the
+flag gives.
+
+A regime sets only what the framework decides for every run.  What a run chooses itself stays a
+flag: the degrees, the recompute (``--ac``, Megatron's ``--selective-ac modules --recompute-modules``),
+sequence parallelism where optional, fused kernels (``--compile``), float8, MoE overlap flags.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from search_spaces.typed import did_you_mean, show
+
+from .specs import SpecError
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    describes: str                                   # one line: which stack, which era
+    workload: Mapping[str, Any] = field(default_factory=dict)      # Workload keys it fixes
+    coefficients: Mapping[str, float] = field(default_factory=dict)  # overlap it runs (Coefficients)
+    why: str = ""                                    # where each setting comes from
+
+
+_MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention"}
+
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
+    Framework("titan-run", "this executor (the defaults)"),
+    Framework("torchtitan", "TorchTitan (FSDP2, DTensor TP, torch.distributed.pipelining)",
+              {"selective_ac": "op"},
+              why="selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
+                  "every other matmul output kept)"),
+    Framework("composer", "MosaicML Composer / llm-foundry (PyTorch FSDP)",
+              {"selective_ac": "op", "loss_impl": "fused"},
+              why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy)"),
+    Framework("megatron-lm", "Megatron-LM / Megatron-core with the distributed optimizer",
+              dict(_MEGATRON),
+              why="distributed optimizer (ZeRO-1), fp32 main gradients for bf16 (arguments.py: 'accumulate and "
+                  "all-reduce gradients in fp32 for bfloat16 data type'), fused kernels; selective recompute is "
+                  "core attention (Korthikanti et al. 2022, Sec. 4.3)"),
+    Framework("megatron-2022", "Megatron-LM of 2022 (Korthikanti et al.; NeMo-Megatron 2022): fused softmax",
+              {**_MEGATRON, "attention_impl": "materialized", "dropout": True},
+              why="no flash attention yet: QK^T, the fused scaled-masked softmax, dropout and PV, all kept"),
+    Framework("megatron-bridge", "NVIDIA Megatron-Bridge / NeMo 2 performance recipes (Megatron-core)",
+              {**_MEGATRON, "grad_dtype": "bf16", "loss_impl": "fused"}, {"tp_overlap": 1.0},
+              why="the recipes set grad_reduce_in_fp32 = False, cross_entropy_loss_fusion and TP communication "
+                  "overlap (userbuffers) on"),
+    Framework("megatron-deepspeed", "Megatron-DeepSpeed of 2022 (BLOOM) with DeepSpeed's BF16 optimizer",
+              {**_MEGATRON, "attention_impl": "materialized", "dropout": True, "sequence_parallel": False,
+               "grad_accum": "hp_copy"}, {"dp_overlap": 0.0},
+              why="fused softmax and dropout, no sequence parallelism; the BF16 optimizer copies each micro-"
+                  "batch's gradients into fp32 (update_hp_grads); the pipeline engine's ReduceGrads runs after "
+                  "the last backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
+)}
+ALIASES = {"nemo": "megatron-bridge"}         # NeMo 2 runs Megatron-core through the same recipes
+
+
+def get_framework(name: str) -> Framework:
+    """The named regime (or its alias); an unknown name is refused in one line with the allowed names."""
+    key = ALIASES.get(name, name)
+    if key not in FRAMEWORKS:
+        names = [*FRAMEWORKS, *ALIASES]
+        raise SpecError(f"framework {show(name)} is not known{did_you_mean(name, names)} "
+                        f"(allowed: {', '.join(names)})")
+    return FRAMEWORKS[key]
+
+
+def framework_names() -> tuple[str, ...]:
+    return (*FRAMEWORKS, *ALIASES)
+
+
+def framework_help() -> str:
+    """One phrase per regime, for --help."""
+    return "; ".join([f"{f.name}: {f.describes}" for f in FRAMEWORKS.values()] +
+                     [f"{a}: as {b}" for a, b in ALIASES.items()])
