@@ -107,7 +107,12 @@ def _print_outcome(args, res, best, contents: dict, dry_rows, trial_rows) -> Non
         print("chosen plan breakdown:")
         print(report.format_breakdown(res.est, best))
     if not args.no_write:
-        print(f"\nwrote {args.out}  (train with: titan-run --plan {args.out})")
+        fw = contents["inputs"].get("framework", "titan-run")
+        if fw != "titan-run" or contents["workload"].get("state_layout") != "fsdp2":
+            print(f"\nwrote {args.out}  (a what-if for {fw if fw != 'titan-run' else 'another framework'}'s regime: "
+                  "titan-run refuses workload values it does not run, in one line)")
+        else:
+            print(f"\nwrote {args.out}  (train with: titan-run --plan {args.out})")
     if args.plot:
         print(f"wrote {args.plot}")
 
