@@ -441,31 +441,26 @@ def summarize(results) -> dict[str, dict]:
     return out
 
 
-def fit_check(cases, coeffs: Coefficients | None = None) -> dict:
-    """Every run that trained must be predicted to fit: {'n': trained cases, 'misses': [(id, GiB, capacity)]}."""
+def _verdict_check(cases, which, should_fit: bool, coeffs: Coefficients | None) -> dict:
+    """{'n': cases `which` selects, 'misses': [(id, predicted GiB, capacity GiB)] whose fit verdict is wrong}."""
     misses, n = [], 0
-    for c in cases:
-        if not c.trained:
-            continue
+    for c in filter(which, cases):
         n += 1
         p = predict(c, coeffs)
-        if not p["fits"]:
+        if p["fits"] != should_fit:
             misses.append((c.id, p["device_peak_gib"], p["capacity_gib"]))
     return {"n": n, "misses": misses}
+
+
+def fit_check(cases, coeffs: Coefficients | None = None) -> dict:
+    """Every run that trained must be predicted to fit."""
+    return _verdict_check(cases, lambda c: c.trained, True, coeffs)
 
 
 def oom_check(cases, coeffs: Coefficients | None = None) -> dict:
-    """Every layout that ran out of memory must be predicted not to fit: {'n': OOM cases, 'misses':
-    [(id, GiB, capacity)]} -- the planner would have called these feasible."""
-    misses, n = [], 0
-    for c in cases:
-        if not c.oom:
-            continue
-        n += 1
-        p = predict(c, coeffs)
-        if p["fits"]:
-            misses.append((c.id, p["device_peak_gib"], p["capacity_gib"]))
-    return {"n": n, "misses": misses}
+    """Every layout that ran out of memory must be predicted not to fit (the planner would have called
+    it feasible)."""
+    return _verdict_check(cases, lambda c: c.oom, False, coeffs)
 
 
 def load_set(name: str) -> list[dict]:
@@ -536,13 +531,10 @@ def report_set(name: str, rows) -> str:
         for rid, gib, cap in fit["misses"]:
             print(f"  {rid}: predicted {gib:.1f} GiB > {cap:.1f} GiB usable")
     oom = fit["oom"]
-    if oom["n"]:
-        print(f"\nlayouts that ran out of memory ({oom['n']}), predicted peak vs usable:")
-        for c in cases:
-            if c.oom:
-                p = predict(c)
-                verdict = "does not fit (right)" if not p["fits"] else "FITS (wrong: the run ran out of memory)"
-                print(f"  {c.id}: {p['device_peak_gib']:.1f} GiB vs {p['capacity_gib']:.1f} GiB -> {verdict}")
+    if oom["misses"]:
+        print(f"\nlayouts that ran out of memory predicted to FIT ({len(oom['misses'])} of {oom['n']}):")
+        for rid, gib, cap in oom["misses"]:
+            print(f"  {rid}: predicted {gib:.1f} GiB <= {cap:.1f} GiB usable")
     by_fw = {}
     fw = {r["id"]: str(r.get("framework") or r["id"].split("_")[0]) for r in rows}
     for r in results:

@@ -3,9 +3,6 @@ the same table the validator maps published rows through."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -14,15 +11,10 @@ from cost_models.coefficients import Coefficients
 from cost_models.frameworks import ALIASES, FRAMEWORKS, get_framework
 from cost_models.specs import SpecError
 from cost_models.workload import Workload
-from tests.cost_model_helpers import load_bench
+from tests.cost_model_helpers import load_bench, planner_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 vr = load_bench("validate_reference")
 
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
 
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORKS))
@@ -38,7 +30,7 @@ def test_aliases_and_unknown_names():
     assert all(get_framework(a) is FRAMEWORKS[b] for a, b in ALIASES.items())
     with pytest.raises(SpecError, match=r"framework 'megatron' is not known \(did you mean 'megatron-lm'\?\)"):
         get_framework("megatron")
-    r = _cli("estimate", "--model", "llama3-8b", "--gpus", "8", "--hardware", "h100-sxm", "--framework", "deepspeed")
+    r = planner_cli("estimate", "--model", "llama3-8b", "--gpus", "8", "--hardware", "h100-sxm", "--framework", "deepspeed")
     err = r.stderr.strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and "megatron-deepspeed" in err, err
 
@@ -51,7 +43,7 @@ MBRIDGE_70B = ["estimate", "--model", "llama3-70b", "--gpus", "64", "--hardware"
 def test_the_flag_gives_what_the_validator_scores():
     """A Megatron-Bridge row of the shared set, through the public CLI with --framework, gets the
     validator's prediction (the validator maps its rows through the same table)."""
-    r = _cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--json")
+    r = planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["inputs"]["framework"] == "megatron-bridge"
@@ -69,14 +61,14 @@ def test_the_regime_is_the_flags_it_stands_for(tmp_path):
     """--framework X = its workload flags + a calibration file carrying its overlaps; an explicit flag wins."""
     cal = tmp_path / "cal.yaml"
     Coefficients(tp_overlap=1.0).save(cal)
-    explicit = _cli(*MBRIDGE_70B, "--state-layout", "megatron", "--zero", "1", "--selective-ac", "attention",
+    explicit = planner_cli(*MBRIDGE_70B, "--state-layout", "megatron", "--zero", "1", "--selective-ac", "attention",
                     "--grad-dtype", "bf16", "--loss-impl", "fused", "--calibration", str(cal), "--json")
-    via = _cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--json")
+    via = planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--json")
     assert explicit.returncode == 0 and via.returncode == 0, (explicit.stderr, via.stderr)
     assert json.loads(explicit.stdout)["predicted"] == json.loads(via.stdout)["predicted"]
-    over = _cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--grad-dtype", "fp32", "--json")
+    over = planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--grad-dtype", "fp32", "--json")
     assert json.loads(over.stdout)["workload"]["grad_dtype"] == "fp32"
-    plain = _cli(*MBRIDGE_70B, "--json")
+    plain = planner_cli(*MBRIDGE_70B, "--json")
     assert json.loads(plain.stdout)["inputs"]["framework"] == "titan-run"
     assert json.loads(plain.stdout)["predicted"] != json.loads(via.stdout)["predicted"]
 
@@ -87,7 +79,7 @@ def test_a_plan_file_remembers_the_framework(tmp_path):
                                  "plan": {"dp_shard": 8, "microbatch": 1, "ac": "full"},
                                  "workload": {"seq_len": 4096, "global_batch": 64},
                                  "inputs": {"framework": "megatron-deepspeed"}}))
-    r = _cli("estimate", "--plan", str(f), "--json")
+    r = planner_cli("estimate", "--plan", str(f), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["inputs"]["framework"] == "megatron-deepspeed"

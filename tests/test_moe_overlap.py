@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from cost_models.specs import SpecError, load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
+from tests.cost_model_helpers import assert_plan_file_value_refused, assert_titan_run_refuses, planner_cli
 
 DSV3 = load_model("deepseek-v3-671b")
 QWEN = load_model("qwen3-30b-a3b")
@@ -121,13 +121,13 @@ def test_scalar_twin_agrees_with_the_vectorized_rule():
 def test_estimate_says_when_the_overlap_does_not_apply():
     i = BASE.index("--ac")
     full = [*BASE[:i], "--ac", "full", *BASE[i + 2:], "--ep-a2a-overlap", "combined_1f1b"]
-    r = _cli(*full, "--json")
+    r = planner_cli(*full, "--json")
     assert r.returncode == 0, r.stderr
     note = json.loads(r.stdout)["overlap_note"]
     assert note.startswith("ep_a2a_overlap 'combined_1f1b' does not apply to this layout (ac full")
-    r2 = _cli(*full)
+    r2 = planner_cli(*full)
     assert r2.returncode == 0 and "note: ep_a2a_overlap 'combined_1f1b' does not apply" in r2.stdout
-    r3 = _cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
+    r3 = planner_cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
     assert json.loads(r3.stdout)["overlap_note"] is None
 
 
@@ -151,10 +151,6 @@ def test_default_and_unknown_value():
         Workload(seq_len=8, global_batch=1, ep_a2a_overlap="a2a")
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
-
 
 BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "4096",
         "--global-batch", "1024", "--ep", "16", "--microbatch", "1", "--ac", "none", "--state-layout", "megatron",
@@ -162,8 +158,8 @@ BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h
 
 
 def test_flag_plan_file_and_json_echo(tmp_path):
-    r0 = _cli(*BASE, "--json")
-    r = _cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
+    r0 = planner_cli(*BASE, "--json")
+    r = planner_cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
     assert r0.returncode == 0 and r.returncode == 0, r.stderr
     d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
     assert d0["workload"]["ep_a2a_overlap"] == "none"
@@ -174,35 +170,19 @@ def test_flag_plan_file_and_json_echo(tmp_path):
                                  "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
                                  "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
                                               "zero": 1, "ep_a2a_overlap": "combined_1f1b"}}))
-    r2 = _cli("estimate", "--plan", str(f), "--json")
+    r2 = planner_cli("estimate", "--plan", str(f), "--json")
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
 
 
 def test_bad_values_exit_2(tmp_path):
-    r = _cli(*BASE, "--ep-a2a-overlap", "a2a")          # argparse's choices: usage and the error
+    r = planner_cli(*BASE, "--ep-a2a-overlap", "a2a")          # argparse's choices: usage and the error
     assert r.returncode == 2 and "--ep-a2a-overlap: invalid choice: 'a2a'" in r.stderr
-    f = tmp_path / "p.yaml"
-    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm", "plan": {"dp_shard": 16, "ep": 16},
-                                 "workload": {"seq_len": 4096, "global_batch": 1024, "ep_a2a_overlap": "yes"}}))
-    r2 = _cli("estimate", "--plan", str(f))
-    err = r2.stderr.strip()
-    assert r2.returncode == 2 and len(err.splitlines()) == 1, err
-    assert "ep_a2a_overlap" in err and "'yes'" in err and "combined_1f1b" in err
+    assert_plan_file_value_refused(tmp_path, "ep_a2a_overlap", "yes", "combined_1f1b")
 
 
 def test_titan_run_refuses_the_overlap(tmp_path):
-    from executor.config import ConfigError, load_run_config
-    f = tmp_path / "plan.yaml"
-    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 2, "microbatch": 2},
-                                 "workload": {"seq_len": 64, "global_batch": 4, "ep_a2a_overlap": "combined_1f1b"}}))
-    with pytest.raises(ConfigError) as ei:
-        load_run_config(str(f), [], world_size=2)
-    msg = str(ei.value)
-    assert msg.startswith("workload key 'ep_a2a_overlap' is 'combined_1f1b', but titan-run") and "\n" not in msg
-    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 2, "microbatch": 2},
-                                 "workload": {"seq_len": 64, "global_batch": 4, "ep_a2a_overlap": "none"}}))
-    assert load_run_config(str(f), [], world_size=2).workload.ep_a2a_overlap == "none"
+    assert_titan_run_refuses(tmp_path, "ep_a2a_overlap", "combined_1f1b", ["none"])
 
 
 def _validator():

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -16,9 +13,8 @@ import yaml
 from cost_models.activations import SHARD, layer_activation_terms
 from cost_models.specs import SpecError, load_model
 from cost_models.workload import Workload
-from executor.config import ConfigError, load_run_config
+from tests.cost_model_helpers import assert_plan_file_value_refused, assert_titan_run_refuses, planner_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 DSV3 = load_model("deepseek-v3-671b")
 
 
@@ -51,10 +47,6 @@ def test_activation_weighting_drops_exactly_the_routed_outputs(layout):
             == layer_activation_terms(DSV3, act, True, "full", True, 1.0)).all()
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
-
 
 BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "4096",
         "--global-batch", "1024", "--ep", "16", "--microbatch", "1", "--ac", "none", "--state-layout", "megatron",
@@ -62,8 +54,8 @@ BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h
 
 
 def test_flag_plan_file_json_echo_and_bad_values(tmp_path):
-    r0 = _cli(*BASE, "--moe-weighting", "combine", "--json")
-    r = _cli(*BASE, "--json")
+    r0 = planner_cli(*BASE, "--moe-weighting", "combine", "--json")
+    r = planner_cli(*BASE, "--json")
     assert r0.returncode == 0 and r.returncode == 0, r.stderr
     d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
     assert d0["workload"]["moe_weighting"] == "combine" and doc["workload"]["moe_weighting"] == "auto"
@@ -73,28 +65,14 @@ def test_flag_plan_file_json_echo_and_bad_values(tmp_path):
                                  "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
                                  "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
                                               "zero": 1, "moe_weighting": "combine"}}))
-    r2 = _cli("estimate", "--plan", str(f), "--json")
+    r2 = planner_cli("estimate", "--plan", str(f), "--json")
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["predicted"] == d0["predicted"]
-    bad = _cli(*BASE, "--moe-weighting", "probs")
+    bad = planner_cli(*BASE, "--moe-weighting", "probs")
     assert bad.returncode == 2 and "--moe-weighting: invalid choice: 'probs'" in bad.stderr
-    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm", "plan": {"dp_shard": 16, "ep": 16},
-                                 "workload": {"seq_len": 4096, "global_batch": 1024, "moe_weighting": "yes"}}))
-    r3 = _cli("estimate", "--plan", str(f))
-    err = r3.stderr.strip()
-    assert r3.returncode == 2 and len(err.splitlines()) == 1, err
-    assert "moe_weighting" in err and "'yes'" in err and "activation" in err
+    assert_plan_file_value_refused(tmp_path, "moe_weighting", "yes", "activation")
 
 
 def test_titan_run_refuses_activation_weighting(tmp_path):
-    f = tmp_path / "plan.yaml"
-    f.write_text(yaml.safe_dump({"model": "moe-debug", "plan": {"dp_shard": 2, "ep": 2, "microbatch": 2},
-                                 "workload": {"seq_len": 64, "global_batch": 4, "moe_weighting": "activation"}}))
-    with pytest.raises(ConfigError) as ei:
-        load_run_config(str(f), [], world_size=2)
-    msg = str(ei.value)
-    assert msg.startswith("workload key 'moe_weighting' is 'activation', but titan-run") and "\n" not in msg
-    for ok in ("auto", "combine"):
-        f.write_text(yaml.safe_dump({"model": "moe-debug", "plan": {"dp_shard": 2, "ep": 2, "microbatch": 2},
-                                     "workload": {"seq_len": 64, "global_batch": 4, "moe_weighting": ok}}))
-        assert load_run_config(str(f), [], world_size=2).workload.moe_weighting == ok
+    assert_titan_run_refuses(tmp_path, "moe_weighting", "activation", ["auto", "combine"], model="moe-debug",
+                             plan={"dp_shard": 2, "ep": 2, "microbatch": 2})

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from cost_models.specs import load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
+from tests.cost_model_helpers import planner_cli
 
 DSV3 = load_model("deepseek-v3-671b")
 H100 = load_hardware("h100-sxm")
@@ -94,9 +93,6 @@ def test_tp_activations_sharded_keeps_shards_and_regathers():
     assert Workload(seq_len=8, global_batch=1).tp_keeps_gathered
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120)
-
 
 BASE = ["estimate", "--model", "deepseek-v3-671b", "--gpus", "1024", "--hardware", "h100-sxm", "--seq-len", "4096",
         "--global-batch", "8192", "--tp", "2", "--pp", "8", "--ep", "64", "--ac", "selective", "--state-layout",
@@ -104,7 +100,7 @@ BASE = ["estimate", "--model", "deepseek-v3-671b", "--gpus", "1024", "--hardware
 
 
 def test_flags_plan_file_and_json_echo(tmp_path):
-    r = _cli(*BASE, "--selective-ac", "modules", "--recompute-modules", "mla_up_proj,mlp",
+    r = planner_cli(*BASE, "--selective-ac", "modules", "--recompute-modules", "mla_up_proj,mlp",
              "--tp-activations", "gathered", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -118,7 +114,7 @@ def test_flags_plan_file_and_json_echo(tmp_path):
                                               "zero": 1, "selective_ac": "modules",
                                               "recompute_modules": ["mla_up_proj", "mlp"],
                                               "tp_activations": "gathered"}}))
-    r2 = _cli("estimate", "--plan", str(f), "--json")
+    r2 = planner_cli("estimate", "--plan", str(f), "--json")
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
 
@@ -128,9 +124,9 @@ def test_flags_plan_file_and_json_echo(tmp_path):
     (["--selective-ac", "modules", "--recompute-modules", "mlp,atn"], "got 'atn'"),
 ])
 def test_bad_values_are_one_line_exit_2(args, message):
-    r = _cli(*BASE, *args)
+    r = planner_cli(*BASE, *args)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = _cli(*BASE, "--tp-activations", "half")        # argparse's choices: usage and the error, exit 2
+    r = planner_cli(*BASE, "--tp-activations", "half")        # argparse's choices: usage and the error, exit 2
     assert r.returncode == 2 and "--tp-activations: invalid choice: 'half'" in r.stderr
 
 
