@@ -13,6 +13,18 @@ says so), each run, then the medians, and last the ratio spmd_types / dtensor pe
     python bench/bench_backends.py [--runs 5] [--steps 8] [--warmup 3] [--layouts tp2,tp2_compile]
 
 A compiled run's first step compiles the blocks: it is one of the warm-up steps left out.
+
+dp2xep2 (moe-debug), measured 2026-12-01 on the shared 2-core machine: 0.545x (18:59, load 10-13),
+1.308x (21:47, load 5-8), 0.997x (22:28, load 1.6 -> 3.2; spmd_types 1,266 / dtensor 1,270 tokens/s per
+device, runs 1,102-1,770 / 1,211-1,563): the run-to-run spread (+-30%, 5 measured steps a run) is larger
+than any backend difference.  Profiled (torch.profiler, rank 0, 3 steps, and CPU seconds per step from
+``time.process_time`` with both backends' trainers in the same 2 processes, alternating steps): the same
+collectives per step on both (15 all-to-alls -- 3 count exchanges, 6 dispatch/combine forward, 6 backward
+--, 10 all-gathers, 5 reduce-scatters, 11 all-reduces), the same aten op counts within 1% (24,823 /
+24,601 events), and the same CPU work: 0.558 / 0.564 s per step on rank 0 (0.541 / 0.536 on rank 1),
+paired step-time ratio 1.034 (20 pairs).  Without TP the MoE step is plain local tensors on both backends
+(the dtensor path's only DTensors are the experts' weights, ``to_local`` per forward), so parity is what
+this row can show; the gains are on TP.
 """
 from __future__ import annotations
 

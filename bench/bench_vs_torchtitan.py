@@ -38,6 +38,19 @@ Per-step profile (rank 0, counts exact, FSDP 2): aten ops TT 6,028 / ours before
 6,447; copies and casts 1,094 / 1,555 / 1,076; all-gathers 17 / 14 / 14 (ours: 13 FSDP + the
 metrics gather), reduce-scatters 9 / 7 / 7.
 
+RoPE as one complex multiply (``layers.Rotary``, e445124), measured 2026-12-01 22:35-22:45 (load1
+2.4-4.6, the rest of the machine 0.7-0.85 cores: wall figures soft), TorchTitan spmd_types / ours
+before / ours after, medians of 3 alternating rounds: CPU ms per step FSDP 2 670 / 673 / 630, TP 2
+507 / 434 / 414; CPU-work ratio TT/ours before -> after: FSDP 2 1.025 -> 1.054 (an earlier, more
+loaded run 0.974 -> 0.987), TP 2 1.081 -> 1.110 (1.050 -> 1.174).  Wall tokens/s ratios ours/TT after:
+FSDP 2 1.235 (rounds 1.069, 1.235, 1.296), TP 2 1.006 (1.006, 1.123, 0.770) -- load-driven swings.
+Per-step profile after (rank 0, FSDP 2): aten ops TT 6,028 / ours 6,243, copies and casts 1,094 /
+1,136; TP 2: aten ops 7,645 / 7,063, copies and casts 1,451 / 1,123, collectives TT 26 all-gathers +
+26 reduce-scatters + 38 all-reduces / ours 26 + 26 + 20.  The goal (>= 1.2x) is not met on CPU
+work: matmul and SDPA self time are the same on both sides (FSDP 2: mm 370 / 336 ms, SDPA 232 / 192
+ms per step in one profiled pair), and what is left differs mostly in FSDP2's own all-gather /
+reduce-scatter waits, the same library on both sides.
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
