@@ -15,9 +15,10 @@ says so), each run, then the medians, and last the ratio spmd_types / dtensor pe
 A compiled run's first step compiles the blocks: it is one of the warm-up steps left out.
 
 dp2xep2 (moe-debug), measured 2026-12-01 on the shared 2-core machine: 0.545x (18:59, load 10-13),
-1.308x (21:47, load 5-8), 0.997x (22:28, load 1.6 -> 3.2; spmd_types 1,266 / dtensor 1,270 tokens/s per
-device, runs 1,102-1,770 / 1,211-1,563): the run-to-run spread (+-30%, 5 measured steps a run) is larger
-than any backend difference.  Profiled (torch.profiler, rank 0, 3 steps, and CPU seconds per step from
+1.308x (21:47, load 5-8), 0.997x (22:28, load 1.6 -> 3.2; runs 1,102-1,770 / 1,211-1,563 tokens/s per
+device), 1.053x (22:48, load 1.7 before and after, the quietest: spmd_types 1,759 / dtensor 1,670, runs
+1,639-1,775 / 1,583-1,744, spmd_types ahead in 4 of 5 rounds): under load the run-to-run spread (+-30%,
+5 measured steps a run) is larger than any backend difference.  Profiled (torch.profiler, rank 0, 3 steps, and CPU seconds per step from
 ``time.process_time`` with both backends' trainers in the same 2 processes, alternating steps): the same
 collectives per step on both (15 all-to-alls -- 3 count exchanges, 6 dispatch/combine forward, 6 backward
 --, 10 all-gathers, 5 reduce-scatters, 11 all-reduces), the same aten op counts within 1% (24,823 /
