@@ -44,6 +44,13 @@ before / ours after, medians of 3 alternating rounds: CPU ms per step FSDP 2 670
 507 / 434 / 414; CPU-work ratio TT/ours before -> after: FSDP 2 1.025 -> 1.054 (an earlier, more
 loaded run 0.974 -> 0.987), TP 2 1.081 -> 1.110 (1.050 -> 1.174).  Wall tokens/s ratios ours/TT after:
 FSDP 2 1.235 (rounds 1.069, 1.235, 1.296), TP 2 1.006 (1.006, 1.123, 0.770) -- load-driven swings.
+On a quiet machine (22:50-22:57, the rest of the machine 0.00 cores, load1 2.0 = these runs), ours
+after / TT: FSDP 2 1,597 / 1,444 tok/s/rank = 1.094x (rounds 1.094, 1.118, 1.071; fast quartile
+1.097x; CPU ms per step 607 / 653, 1.045x), TP 2 1,104 / 995 = 1.110x (1.000, 1.110, 1.125; fast
+quartile 1.119x; CPU 393 / 427, 1.087x); the session before measured 1.056x / 1.061x quiet.  Quiet
+profile of ours, FSDP 2, rank 0, per step (640 ms): mm 260 ms (129 calls), SDPA fwd+bwd 151 ms,
+mul 38 ms, copy_ 32 ms (471 calls: FSDP2 copy-in/out and gloo's reduce-scatter input clone), FSDP2
+post-backward reduce waits ~50 ms, RoPE (Rotary) fwd+bwd ~6 ms.
 Per-step profile after (rank 0, FSDP 2): aten ops TT 6,028 / ours 6,243, copies and casts 1,094 /
 1,136; TP 2: aten ops 7,645 / 7,063, copies and casts 1,451 / 1,123, collectives TT 26 all-gathers +
 26 reduce-scatters + 38 all-reduces / ours 26 + 26 + 20.  The goal (>= 1.2x) is not met on CPU
