@@ -67,6 +67,13 @@ class Rotary(torch.autograd.Function):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, s, h, d] rotated pairwise by the angles whose cosines / sines are cos, sin [s, d/2]."""
     work = torch.promote_types(x.dtype, torch.float32)           # complex32 / complex-bf16: none usable
+    if torch.compiler.is_compiling():
+        # Inductor has no code generation for complex operators (it warns and runs them unfused): the
+        # same arithmetic in real form, which it fuses into one kernel
+        xw = x.to(work)
+        x0, x1 = xw[..., 0::2], xw[..., 1::2]
+        c, s = cos.to(work)[None, :, None, :], sin.to(work)[None, :, None, :]
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
     table = torch.complex(cos.to(work), sin.to(work))[None, :, None, :]
     pairs = torch.view_as_complex(x.to(work).contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
