@@ -11,7 +11,9 @@ express are listed with the reason.  The last line printed is the headline.
 Mapping rules (stated once, applied to every row):
 * hardware: A100-SXM4-80GB -> a100-80g; H100 / DGX-H100 -> h100-sxm; "H100 96GB HBM2e,
   500W" (TorchTitan's Grand Teton hosts) -> h100-96g-500w; H200 -> h200.
-* framework: Megatron rows (Korthikanti, Megatron-LM README, Megatron-Bridge) use the
+* framework: each row's `framework:` names a regime of cost_models/frameworks.py (`FRAMEWORK_OF`), the
+  workload keys and overlaps `titan-plan estimate --framework NAME` gives a user; the row's own facts
+  (below) then apply on top.  In words: Megatron rows (Korthikanti, Megatron-LM README, Megatron-Bridge) use the
   megatron state layout (18 B/param) with the distributed optimizer (zero=1) unless the row
   says zero=0 or FSDP; their fused kernels are expressed as compile=True; selective
   recompute means Megatron's attention-core recompute.  TorchTitan rows use fsdp2, the
