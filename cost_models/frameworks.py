@@ -66,13 +66,14 @@ def get_framework(name: str) -> Framework:
     """The named regime (or its alias); an unknown name is refused in one line with the allowed names."""
     key = ALIASES.get(name, name)
     if key not in FRAMEWORKS:
-        names = [*FRAMEWORKS, *ALIASES]
+        names = framework_names()
         raise SpecError(f"framework {show(name)} is not known{did_you_mean(name, names)} "
                         f"(allowed: {', '.join(names)})")
     return FRAMEWORKS[key]
 
 
 def framework_names() -> tuple[str, ...]:
+    """Every name --framework accepts: the regimes, then their aliases."""
     return (*FRAMEWORKS, *ALIASES)
 
 
