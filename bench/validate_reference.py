@@ -52,7 +52,10 @@ framework):
   A100 40GB -> a100-40g; B200 -> b200; H800 -> the h800 preset if one exists (else
   the row is not expressible).
 * `measured.step_time_s` is turned into tokens/s/GPU as global_batch * seq_len / (t * GPUs), and
-  `measured.tokens_per_sec_total` (the whole job's) as that / GPUs.
+  `measured.tokens_per_sec_total` (the whole job's) as that / GPUs; `measured.tflops_per_gpu_with_recompute`
+  (Narayanan et al. 2021, arXiv:2104.04473, eq. 3, which counts the recompute forward) by that count per token.
+* megatron-lm-2021 (Narayanan et al. 2021's Megatron-LM on Selene): the megatron-2022 regime (fused softmax,
+  dropout); its rows state zero 0 and no sequence parallelism (neither existed yet); ZeRO-3 rows: fsdp.
 * nemo-megatron-2022 (NeMo Megatron 22.09 launcher configs, A100): the Megatron rules with the
   Korthikanti regime (fused softmax, i.e. materialized attention, and dropout; sequence parallel as
   the config says), no TP overlap (userbuffers came later).  megatron-deepspeed-2022 (BLOOM's
@@ -153,7 +156,8 @@ SETS = ("shared", "extra")
 # each row's `framework:` -> its regime in cost_models/frameworks.py (`titan-plan estimate --framework`)
 FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-2022", "megatron": "megatron-lm",
                 "mbridge": "megatron-bridge", "nemo": "nemo", "megatron-deepspeed-2022": "megatron-deepspeed",
-                "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan"}
+                "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan",
+                "megatron-lm-2021": "megatron-2022"}   # Narayanan et al. 2021: the same fused softmax and dropout
 MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if v.startswith("megatron") or v == "nemo")
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
@@ -368,6 +372,10 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, seq)
     if "peak_mem_gib" in meas:
         measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
+    elif "tflops_per_gpu_with_recompute" in meas:   # Narayanan et al. 2021 eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh)
+        l, h = model.n_layers, model.dim
+        per_token = 96 * l * h * h * (1 + seq / (6 * h) + model.vocab_size / (16 * l * h))
+        measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu_with_recompute"]) * 1e12 / per_token
     if "params_plus_optimizer_gib" in meas:
         measured["params_opt_gib"] = float(meas["params_plus_optimizer_gib"])
         measured["activations_gib"] = float(meas["activations_gib"])

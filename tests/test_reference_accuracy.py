@@ -122,6 +122,22 @@ def test_step_time_rows_are_scored_as_tokens_per_second():
     assert case.measured["tokens_per_s_per_gpu"] == pytest.approx(row["derived"]["tokens_per_sec_per_gpu"], abs=0.1)
 
 
+def test_eq3_tflops_rows_are_scored_as_tokens_per_second():
+    """Narayanan et al. 2021 report TFLOP/s by their eq. 3, which counts the recompute forward: the validator
+    divides by that count per token, not by Megatron's model-FLOPs count."""
+    rows = {r["id"]: r for r in vr.load_extra_rows()}
+    row = rows["narayanan21_t1_1008.0B_3072gpu"]
+    case = vr.build_case(row)
+    m = row["model"]
+    l, h, s, v = m["layers"], m["hidden"], m["seq_len"], m["vocab"]
+    per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    tflops = row["measured"]["tflops_per_gpu_with_recompute"]
+    assert case.measured["tokens_per_s_per_gpu"] == pytest.approx(tflops * 1e12 / per_token)
+    assert case.measured["tokens_per_s_per_gpu"] == pytest.approx(row["derived"]["tokens_per_sec_per_gpu"], abs=0.1)
+    # the stated aggregate is the per-GPU figure times the GPUs (502.0 PFLOP/s from 163 TFLOP/s, rounded)
+    assert tflops * row["hardware"]["count"] / 1e3 == pytest.approx(row["measured"]["aggregate_petaflops"], rel=0.01)
+
+
 @needs_runs
 def test_fit_check_leaves_out_figures_that_are_not_training_runs(published):
     cases, _, _ = published
