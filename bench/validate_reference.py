@@ -35,7 +35,8 @@ Mapping rules (stated once, applied to every row):
   release of the row's container): when the entry's own layout is the row's (tp, pp, vp, ep, micro-batch,
   global batch), an unstated recompute takes the recipe's (selective with its recompute_modules ->
   selective_ac 'modules'), the workload takes its EP all-to-all overlap (Megatron's
-  overlap_moe_expert_parallel_comm -> ep_a2a_overlap 'combined_1f1b'), and overlap_grad_reduce false
+  overlap_moe_expert_parallel_comm -> ep_a2a_overlap 'combined_1f1b'), its token dispatcher (alltoall ->
+  ep_dispatch 'every_copy'; flex with DeepEP or HybridEP -> 'per_node'), and overlap_grad_reduce false
   -> dp_overlap = 0.  An entry whose layout differs is a record only (another recipe made the row).
 * unstated seq_len in TorchTitan's async-TP benchmark -> 8192 (the train_configs default, as
   the other TorchTitan rows; its 70B float8 vanilla-TP figure matches Table 4's); those runs
@@ -330,7 +331,8 @@ def build_case(row) -> Case:
             kw.pop(k, None)
     kw.update(state_layout=state, zero=zero, norm_impl=norm,
               ep_a2a_overlap=str(recipe.get("ep_a2a_overlap", "none")),
-              moe_weighting=str(recipe.get("moe_weighting", "auto")))
+              moe_weighting=str(recipe.get("moe_weighting", "auto")),
+              ep_dispatch=str(recipe.get("ep_dispatch", "auto")))
     if materialized and "sequence_parallel" in par:
         kw["sequence_parallel"] = bool(par["sequence_parallel"])
     if modules:

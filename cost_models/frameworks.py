@@ -8,7 +8,10 @@ flag gives.
 
 A regime sets only what the framework decides for every run.  What a run chooses itself stays a
 flag: the degrees, the recompute (``--ac``, Megatron's ``--selective-ac modules --recompute-modules``),
-sequence parallelism where optional, fused kernels (``--compile``), float8, MoE overlap flags.
+sequence parallelism where optional, fused kernels (``--compile``), float8, MoE overlap flags, and
+Megatron's token dispatcher (``--ep-dispatch``: ``alltoall`` or ``flex`` with DeepEP / HybridEP is a recipe's
+choice).  ``ep_dispatch: auto`` gives titan-run and TorchTitan (the fsdp2 layout) ``every_copy``, what
+their all_to_all_single sends.
 """
 from __future__ import annotations
 

@@ -40,37 +40,87 @@ import numpy as np
 from .layout import layer_mix
 
 
-def ib_share(model, ep, per_node) -> np.ndarray:
+def sends_once_per_node(model, workload) -> bool:
+    """Workload ``ep_dispatch`` resolved: True when the EP dispatch sends a token over the network once per
+    distinct remote node (``per_node``: DeepEP, HybridEP), False when it sends every routed copy
+    (``every_copy``).  ``auto`` is ``every_copy`` for the fsdp2 layout (this executor and TorchTitan send
+    every copy with one all_to_all_single) and, for the megatron layout, ``per_node`` exactly when the model
+    routes node-limited (DeepSeek-V3's node-limited routing is built around that dispatch, arXiv:2412.19437
+    Sec. 3.2.2, and Megatron-Bridge's DeepSeek-V3 recipes run it: bench/reference_recipes.yaml) and
+    ``every_copy`` otherwise (Megatron's ``alltoall`` dispatcher, the recipes' default)."""
+    if workload.ep_dispatch != "auto":
+        return workload.ep_dispatch == "per_node"
+    return workload.state_layout == "megatron" and node_limited(model)
+
+
+def node_limited(model) -> bool:
+    """True when the router picks a token's experts inside its best ``n_limited_groups`` of ``n_expert_groups``."""
+    return bool(model.n_expert_groups and model.n_limited_groups < model.n_expert_groups)
+
+
+def ib_share(model, ep, per_node, once_per_node: bool | None = None) -> np.ndarray:
     """[n] share of a rank's all-to-all bytes (top_k copies of each token) that crosses the network.
 
-    Uniform routing: (p - k) / p of the copies go to ranks on other nodes (p = ep, k = EP ranks per
-    node).  Node-limited routing (``n_expert_groups``/``n_limited_groups``), as DeepSeek-V3 trains
-    it (arXiv:2412.19437, Sec. 3.2.2, "each token will be sent to at most M nodes ... first
-    transmitted via IB to the GPUs with the same in-node index on their target nodes ... then
-    instantly forwarded via NVLink"): a token crosses the network ONCE per distinct remote node
-    that holds one of its experts, whatever the number of experts there.  With the experts laid
-    out contiguously over the EP ranks a node holds ``E_n = n_experts k / p`` of them; a token
-    reaches at most ``M = min(N, n_limited_groups * max(1, group size / E_n))`` of the
-    ``N = ceil(p / k)`` nodes, and with its top_k experts spread uniformly over those, it hits
-    ``D = M (1 - (1 - 1/M)^top_k)`` distinct nodes on average (occupancy), ``D (N-1)/N`` of them
-    remote.  Share = that many token copies / top_k.  (The NVLink fan-out inside the node is
-    the on-node side of `comm.all_to_all_time`.)  The once-per-node sending is DeepSeek's dispatch
-    (DeepEP; Megatron-LM --moe-token-dispatcher-type flex --moe-enable-deepep); an all-to-all that
-    sends every copy (Megatron's 'alltoall' dispatcher, this project's executor, which also routes
-    without the group limit) moves (p - k)/p of them -- cost_models/uncertainty.py flags the regime.
+    Every copy sent (``once_per_node`` False: Megatron's ``alltoall`` dispatcher, this project's executor,
+    TorchTitan's default EP, which all permute a token's top_k copies and exchange them with one NCCL
+    all-to-all): (p - k) / p of the copies go to ranks on other nodes (p = ep, k = EP ranks per node), with
+    or without a routing group limit (a token's own node is as likely as any other among the ones it picks).
+
+    Once per node (``once_per_node`` True: DeepEP's normal kernels and NVIDIA's Hybrid-EP, Megatron-core's
+    ``--moe-token-dispatcher-type flex`` with ``--moe-flex-dispatcher-backend deepep | hybridep``,
+    megatron/core/transformer/moe/fused_a2a.py, NVIDIA/Megatron-LM 19c61eb): a token crosses the network
+    ONCE per distinct remote node that holds one of its experts, to the GPU with the same in-node index,
+    which forwards it over NVLink to the experts' GPUs (DeepSeek-V3, arXiv:2412.19437 Sec. 3.2.2; DeepEP's
+    layout kernel counts ``num_tokens_per_rdma_rank += (is_in_rdma_rank[j] > 0)``, csrc/kernels/layout.cu;
+    Hybrid-EP "first performs IB communication between peer GPUs, then each rank distributes the received
+    inter-node data locally", its RDMA buffer holds ``max_tokens_per_rank x (num_nodes - 1)`` tokens, and
+    its combine "pre-reduces data within node before sending to peers", docs/Hybrid-EP_Implementation.md;
+    deepseek-ai/DeepEP branch hybrid-ep, commit 94a9f8f).  With the experts laid out contiguously over the
+    EP ranks a node holds ``E_n = n_experts k / p`` of them; a token reaches ``M`` of the ``N = ceil(p / k)``
+    nodes (all N; with node-limited routing, ``n_expert_groups``/``n_limited_groups``,
+    ``M = min(N, n_limited_groups * max(1, group size / E_n))``), and with its top_k experts spread
+    uniformly over those it hits ``D = M (1 - (1 - 1/M)^top_k)`` distinct nodes on average (occupancy),
+    ``D (N-1)/N`` of them remote.  Share = that many token copies / top_k.  The combine is the reverse path
+    (reduced per node before the network), so it moves as much.  The NVLink fan-out is
+    :func:`nvlink_relay`.
+
+    ``once_per_node`` None: once per node exactly when the routing is node-limited (the rule before the
+    workload key ``ep_dispatch``; `step_time` passes :func:`sends_once_per_node`).
     """
     p = np.asarray(ep, dtype=np.float64)
     k = np.minimum(np.asarray(per_node, dtype=np.float64), p)
     uniform = (p - k) / p
-    if not (model.n_expert_groups and model.n_limited_groups < model.n_expert_groups):
+    limited = node_limited(model)
+    if not (limited if once_per_node is None else once_per_node):
         return uniform
     nodes = np.ceil(p / np.maximum(k, 1.0))
-    per_node_experts = model.n_experts * k / p
-    group = model.n_experts / model.n_expert_groups
-    reach = np.minimum(nodes, model.n_limited_groups * np.maximum(1.0, group / per_node_experts))
+    reach = nodes
+    if limited:
+        per_node_experts = model.n_experts * k / p
+        group = model.n_experts / model.n_expert_groups
+        reach = np.minimum(nodes, model.n_limited_groups * np.maximum(1.0, group / per_node_experts))
     distinct = reach * (1.0 - (1.0 - 1.0 / reach) ** model.top_k)
-    limited = distinct * (nodes - 1.0) / nodes / model.top_k
-    return np.where(nodes > 1, np.minimum(limited, uniform), uniform)
+    once = distinct * (nodes - 1.0) / nodes / model.top_k
+    return np.where(nodes > 1, np.minimum(once, uniform), uniform)
+
+
+def nvlink_relay(model, ep, per_node, once_per_node: bool, rail_optimized: bool) -> np.ndarray:
+    """[n] the ``relay`` factor of `comm.all_to_all_time`: NVLink bytes per off-node byte, over (k-1)/k.
+
+    Every copy sent: 1 on a rail-optimized network (NCCL's PXN first moves a copy for another rail's GPU
+    over NVLink to the local GPU on that rail), else 0.  Once per node: each network copy lands on the
+    peer GPU, which writes the token over NVLink to every other GPU of its node that holds one of its
+    experts (DeepEP's and Hybrid-EP's forwarding, see :func:`ib_share`; the combine gathers them back the
+    same way), so the NVLink side carries every remote copy, (p - k)/p of the bytes, times (k-1)/k -- the
+    relay is (p - k)/p over the once-per-node share.  (DeepEP writes a token once per destination GPU, not
+    once per expert; with several of a token's experts on one GPU that is less, which this ignores.)"""
+    rail = np.full(np.shape(ep), float(rail_optimized))
+    if not once_per_node:
+        return rail
+    p = np.asarray(ep, dtype=np.float64)
+    k = np.minimum(np.asarray(per_node, dtype=np.float64), p)
+    share = ib_share(model, ep, per_node, True)
+    return np.where(share > 0, (p - k) / p / np.maximum(share, 1e-300), rail)
 
 
 def a2a_overlap_runs(table, workload) -> np.ndarray:
@@ -120,4 +170,5 @@ def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     return np.where(table.ep > 1, n_moe * table.n_microbatches * passes * one, 0.0)
 
 
-__all__ = ["a2a_overlap_blocker", "a2a_overlap_runs", "ep_all_to_all_bytes", "ib_share"]
+__all__ = ["a2a_overlap_blocker", "a2a_overlap_runs", "ep_all_to_all_bytes", "ib_share", "node_limited",
+           "nvlink_relay", "sends_once_per_node"]

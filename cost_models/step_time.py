@@ -23,7 +23,7 @@ from .compute import (Rates, elementwise_bytes, float8_cast_bytes, gemm_time, he
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import attention_dims, layer_matmuls
 from .layout import layer_mix
-from .moe_traffic import a2a_overlap_runs, ib_share
+from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
 
@@ -200,9 +200,12 @@ def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, 
     moe_rec = table.is_ac("selective") & workload.recomputes("moe")
     ac_full = table.is_ac("full") | moe_rec
     a2a_bytes = tokens / sp * model.top_k * model.dim * r.elt * coeffs.ep_imbalance
-    # node-limited routing sends a token over the network once per remote node (moe_traffic.ib_share)
-    a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp, relay=float(hw.rail_optimized),
-                          off_fraction=ib_share(model, table.ep, ep_link.per_node))
+    # every routed copy, or each token once per remote node and then over NVLink (workload ep_dispatch:
+    # moe_traffic.ib_share, nvlink_relay)
+    once = sends_once_per_node(model, workload)
+    a2a = all_to_all_time(table.ep, a2a_bytes, ep_link.per_node, *lp,
+                          relay=nvlink_relay(model, table.ep, ep_link.per_node, once, hw.rail_optimized),
+                          off_fraction=ib_share(model, table.ep, ep_link.per_node, once))
     dual = table.is_schedule("DualPipeV")
     exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
     exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),

@@ -42,7 +42,7 @@ from search_spaces.plan import SCHEDULES
 from search_spaces.yaml_file import read_yaml
 
 from .flops import param_counts
-from .moe_traffic import a2a_overlap_runs
+from .moe_traffic import a2a_overlap_runs, node_limited, sends_once_per_node
 from .specs import SpecError
 
 UNCERTAINTY_FILE = Path(__file__).parent / "presets" / "uncertainty.yaml"
@@ -94,8 +94,12 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
     add("context parallel across nodes", (table.cp > 1) & (table.cp * table.tp > gpn))
     add("expert parallel within a node", (table.ep > 1) & (table.ep * table.tp <= gpn))
     add("expert parallel across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
-    if model.n_expert_groups and model.n_limited_groups < model.n_expert_groups:
-        add("node-limited expert routing across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
+    across = (table.ep > 1) & (table.ep * table.tp > gpn)
+    if node_limited(model):
+        add("node-limited expert routing across nodes", across)
+    if model.is_moe:
+        add("MoE dispatch across nodes " + ("once per remote node (DeepEP / HybridEP)"
+                                            if sends_once_per_node(model, workload) else "of every routed copy"), across)
     if workload.selective_ac == "modules":
         add("selective recompute by Megatron submodules", table.is_ac("selective"))
     add("tensor parallel keeping " + ("gathered inputs" if workload.tp_keeps_gathered else "sequence shards"),

@@ -81,6 +81,14 @@ class Workload:
     activation, ``activation_func_with_probs``, so the un-permute keeps nothing); ``auto`` is
     ``activation`` for the megatron layout and ``combine`` for fsdp2.
 
+    ``ep_dispatch`` is how the EP dispatch and combine reach experts on other nodes: ``every_copy`` (an
+    all-to-all of the top_k routed copies of each token: this executor, TorchTitan's default, Megatron's
+    ``alltoall`` dispatcher) or ``per_node`` (DeepEP / Hybrid-EP, Megatron's ``flex`` dispatcher: a token
+    crosses the network once per distinct remote node holding one of its experts, then fans out over
+    NVLink; the combine reduces per node before the network); ``auto`` is ``every_copy`` for fsdp2 and, for
+    megatron, ``per_node`` exactly when the model routes node-limited (``cost_models/moe_traffic.py``,
+    ``sends_once_per_node``, which cites the kernels).
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -115,6 +123,7 @@ class Workload:
     tp_activations: Literal["auto", "gathered", "sharded"] = "auto"   # what TP blocks keep of gathered tensors
     ep_a2a_overlap: Literal["none", "combined_1f1b"] = "none"   # MoE all-to-alls under the other micro-batch
     moe_weighting: Literal["auto", "combine", "activation"] = "auto"   # where router weights multiply
+    ep_dispatch: Literal["auto", "every_copy", "per_node"] = "auto"   # how EP tokens cross nodes
     norm_impl: Literal["auto", "eager", "fused"] = "auto"     # the RMSNorm/LayerNorm kernel
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel

@@ -297,6 +297,8 @@ _OTHER_FRAMEWORKS = (
      "titan-run runs each MoE all-to-all in its own micro-batch's forward and backward (none"),
     ("moe_weighting", lambda wl: wl.moe_weighting != "activation",
      "titan-run weights the expert outputs at the combine (auto or combine"),
+    ("ep_dispatch", lambda wl: wl.ep_dispatch != "per_node",
+     "titan-run sends every routed copy in one all-to-all (auto or every_copy"),
 )
 
 

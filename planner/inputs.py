@@ -31,7 +31,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
-                  "grad_accum", "ep_a2a_overlap", "moe_weighting")
+                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -67,6 +67,10 @@ WORKLOAD_HELP = {
     "moe_weighting": "where MoE router weights multiply: auto (default: activation for megatron, combine for "
                      "fsdp2), combine (weighted sum of the expert outputs, which are kept: titan-run, TorchTitan) or "
                      "activation (Megatron-core >= 0.13 multiplies them into the experts' activation)",
+    "ep_dispatch": "how MoE tokens reach experts on other nodes: auto (default: every_copy for fsdp2; for "
+                   "megatron per_node with node-limited routing), every_copy (an all-to-all of every routed copy: "
+                   "titan-run, TorchTitan, Megatron's alltoall dispatcher) or per_node (DeepEP / HybridEP, Megatron's "
+                   "flex dispatcher: once per remote node, then over NVLink)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 

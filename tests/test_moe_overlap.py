@@ -1,6 +1,6 @@
 """Megatron's EP all-to-all overlap (workload ep_a2a_overlap: combined_1f1b): the phase rule of
-`step_time._ep_exposed`, where Megatron runs it and where not, the flag, the plan-file key, the --json
-echo, the one-line error, titan-run's refusal, and the validator's recipe file."""
+`step_time._ep_exposed`, where Megatron runs it and where not, the one-line error, titan-run's refusal,
+and the validator's recipe file (the flag, the plan-file key and the --json echo: tests/test_moe_dispatch.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from cost_models import step_time as S
 from cost_models.coefficients import Coefficients
@@ -23,7 +22,7 @@ from cost_models.specs import SpecError, load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
-from tests.cost_model_helpers import assert_plan_file_value_refused, assert_titan_run_refuses, planner_cli
+from tests.cost_model_helpers import assert_titan_run_refuses, planner_cli
 
 DSV3 = load_model("deepseek-v3-671b")
 QWEN = load_model("qwen3-30b-a3b")
@@ -155,30 +154,6 @@ def test_default_and_unknown_value():
 BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "4096",
         "--global-batch", "1024", "--ep", "16", "--microbatch", "1", "--ac", "none", "--state-layout", "megatron",
         "--zero", "1", "--compile"]
-
-
-def test_flag_plan_file_and_json_echo(tmp_path):
-    r0 = planner_cli(*BASE, "--json")
-    r = planner_cli(*BASE, "--ep-a2a-overlap", "combined_1f1b", "--json")
-    assert r0.returncode == 0 and r.returncode == 0, r.stderr
-    d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
-    assert d0["workload"]["ep_a2a_overlap"] == "none"
-    assert doc["workload"]["ep_a2a_overlap"] == "combined_1f1b" and doc["inputs"]["workload"] == doc["workload"]
-    assert doc["predicted"]["time_s"]["ep_comm"] < d0["predicted"]["time_s"]["ep_comm"]
-    f = tmp_path / "p.yaml"
-    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm",
-                                 "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
-                                 "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
-                                              "zero": 1, "ep_a2a_overlap": "combined_1f1b"}}))
-    r2 = planner_cli("estimate", "--plan", str(f), "--json")
-    assert r2.returncode == 0, r2.stderr
-    assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
-
-
-def test_bad_values_exit_2(tmp_path):
-    r = planner_cli(*BASE, "--ep-a2a-overlap", "a2a")          # argparse's choices: usage and the error
-    assert r.returncode == 2 and "--ep-a2a-overlap: invalid choice: 'a2a'" in r.stderr
-    assert_plan_file_value_refused(tmp_path, "ep_a2a_overlap", "yes", "combined_1f1b")
 
 
 def test_titan_run_refuses_the_overlap(tmp_path):

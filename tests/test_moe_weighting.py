@@ -1,19 +1,18 @@
 """Where a MoE block applies its router weights (workload moe_weighting): at the combine, which keeps the
 routed experts' outputs for the weights' gradient (titan-run, TorchTitan, Megatron-core before April
-2025), or in the experts' activation (Megatron-core since commit 2659630, which keeps none); the flag,
-the plan-file key, the --json echo, the one-line error and titan-run's refusal."""
+2025), or in the experts' activation (Megatron-core since commit 2659630, which keeps none); the
+one-line error and titan-run's refusal (the flag, the plan-file key and the --json echo:
+tests/test_moe_dispatch.py, one test for every MoE workload key)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
-import yaml
 
 from cost_models.activations import SHARD, layer_activation_terms
 from cost_models.specs import SpecError, load_model
 from cost_models.workload import Workload
-from tests.cost_model_helpers import assert_plan_file_value_refused, assert_titan_run_refuses, planner_cli
+from tests.cost_model_helpers import assert_titan_run_refuses
 
 DSV3 = load_model("deepseek-v3-671b")
 
@@ -46,31 +45,6 @@ def test_activation_weighting_drops_exactly_the_routed_outputs(layout):
     assert (layer_activation_terms(DSV3, comb, True, "full", True, 1.0)
             == layer_activation_terms(DSV3, act, True, "full", True, 1.0)).all()
 
-
-
-BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len", "4096",
-        "--global-batch", "1024", "--ep", "16", "--microbatch", "1", "--ac", "none", "--state-layout", "megatron",
-        "--zero", "1", "--compile"]
-
-
-def test_flag_plan_file_json_echo_and_bad_values(tmp_path):
-    r0 = planner_cli(*BASE, "--moe-weighting", "combine", "--json")
-    r = planner_cli(*BASE, "--json")
-    assert r0.returncode == 0 and r.returncode == 0, r.stderr
-    d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
-    assert d0["workload"]["moe_weighting"] == "combine" and doc["workload"]["moe_weighting"] == "auto"
-    assert doc["predicted"]["memory_gib"]["activations"] < d0["predicted"]["memory_gib"]["activations"]
-    f = tmp_path / "p.yaml"
-    f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm",
-                                 "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
-                                 "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
-                                              "zero": 1, "moe_weighting": "combine"}}))
-    r2 = planner_cli("estimate", "--plan", str(f), "--json")
-    assert r2.returncode == 0, r2.stderr
-    assert json.loads(r2.stdout)["predicted"] == d0["predicted"]
-    bad = planner_cli(*BASE, "--moe-weighting", "probs")
-    assert bad.returncode == 2 and "--moe-weighting: invalid choice: 'probs'" in bad.stderr
-    assert_plan_file_value_refused(tmp_path, "moe_weighting", "yes", "activation")
 
 
 def test_titan_run_refuses_activation_weighting(tmp_path):
