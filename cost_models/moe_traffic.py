@@ -156,7 +156,9 @@ def a2a_overlap_blocker(plan, workload) -> str | None:
 
 def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     """[n] bytes the busiest EP rank (of the most MoE-heavy pipeline rank) sends in all-to-alls per
-    optimizer step; with ``coeffs.ep_imbalance == 1`` every EP rank sends that much."""
+    optimizer step; with ``coeffs.ep_imbalance == 1`` every EP rank sends that much.  Every routed copy
+    (workload ``ep_dispatch: every_copy``, what titan-run measures); a once-per-node dispatch sends
+    :func:`ib_share` of the off-node part instead."""
     if not model.is_moe:
         return np.zeros(len(table))
     elt = 4.0 if workload.dtype == "fp32" else 2.0
