@@ -159,7 +159,8 @@ FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-
                 "mbridge": "megatron-bridge", "nemo": "nemo", "megatron-deepspeed-2022": "megatron-deepspeed",
                 "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan",
                 "megatron-lm-2021": "megatron-2022",   # Narayanan et al. 2021: the same fused softmax and dropout
-                "fms-fsdp": "torchtitan"}   # IBM fms-fsdp: PyTorch FSDP, SDPA, eager cross-entropy (no fused kernels)
+                "fms-fsdp": "torchtitan",   # IBM fms-fsdp: PyTorch FSDP, SDPA, eager cross-entropy (no fused kernels)
+                "megatron-lm-2024": "megatron-lm"}   # NVIDIA's Nemotron-4 runs: TP + DP with the distributed optimizer
 MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if v.startswith("megatron") or v == "nemo")
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
