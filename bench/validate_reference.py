@@ -160,7 +160,7 @@ FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-
                 "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan",
                 "megatron-lm-2021": "megatron-2022",   # Narayanan et al. 2021: the same fused softmax and dropout
                 "fms-fsdp": "torchtitan",   # IBM fms-fsdp: PyTorch FSDP, SDPA, eager cross-entropy (no fused kernels)
-                "megatron-lm-2024": "megatron-lm"}   # NVIDIA's Nemotron-4 runs: TP + DP with the distributed optimizer
+                "megatron-lm-2024": "megatron-lm"}   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4, Zero Bubble)
 MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if v.startswith("megatron") or v == "nemo")
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
@@ -376,6 +376,8 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, seq)
     if "peak_mem_gib" in meas:
         measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
+    elif "samples_per_sec_per_gpu" in meas:   # sequences per GPU per second (Zero Bubble, Table 4)
+        measured["tokens_per_s_per_gpu"] = float(meas["samples_per_sec_per_gpu"]) * seq
     elif "tflops_per_gpu_with_recompute" in meas:   # Narayanan et al. 2021 eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh)
         l, h = model.n_layers, model.dim
         per_token = 96 * l * h * h * (1 + seq / (6 * h) + model.vocab_size / (16 * l * h))

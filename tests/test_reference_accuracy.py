@@ -138,6 +138,15 @@ def test_eq3_tflops_rows_are_scored_as_tokens_per_second():
     assert tflops * row["hardware"]["count"] / 1e3 == pytest.approx(row["measured"]["aggregate_petaflops"], rel=0.01)
 
 
+def test_samples_per_gpu_rows_are_scored_as_tokens_per_second():
+    """Zero Bubble's Table 4 reports sequences per GPU per second: tokens/s/GPU = that x seq_len."""
+    rows = {r["id"]: r for r in vr.load_extra_rows()}
+    row = rows["zerobubble_t4_6.2B_8gpu_m24_1f1bi"]
+    case = vr.build_case(row)
+    assert case.measured["tokens_per_s_per_gpu"] == pytest.approx(row["measured"]["samples_per_sec_per_gpu"] * 1024)
+    assert case.plan.schedule == "Interleaved1F1B" and case.plan.stages_per_rank == 4   # (30 + 2) / 8 one-layer chunks
+
+
 @needs_runs
 def test_fit_check_leaves_out_figures_that_are_not_training_runs(published):
     cases, _, _ = published
