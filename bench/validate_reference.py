@@ -374,14 +374,14 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec"])
     elif "tflops_per_gpu" in meas:
         measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(model, seq)
-    if "peak_mem_gib" in meas:
-        measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
     elif "samples_per_sec_per_gpu" in meas:   # sequences per GPU per second (Zero Bubble, Table 4)
         measured["tokens_per_s_per_gpu"] = float(meas["samples_per_sec_per_gpu"]) * seq
     elif "tflops_per_gpu_with_recompute" in meas:   # Narayanan et al. 2021 eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh)
         l, h = model.n_layers, model.dim
         per_token = 96 * l * h * h * (1 + seq / (6 * h) + model.vocab_size / (16 * l * h))
         measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu_with_recompute"]) * 1e12 / per_token
+    if "peak_mem_gib" in meas:
+        measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
     if "params_plus_optimizer_gib" in meas:
         measured["params_opt_gib"] = float(meas["params_plus_optimizer_gib"])
         measured["activations_gib"] = float(meas["activations_gib"])
