@@ -321,8 +321,8 @@ def _check_workload_runs(wl, plan: Plan) -> None:
                  f"backend {show(plan.backend)}: sequence shards are kept on backend spmd_types only (set backend: "
                  "spmd_types, or"),
                 (plan.compile, "compile: sequence shards are kept in eager mode only (set compile: false, or"),
-                (plan.float8, "float8: float8 with tensor parallel runs on backend dtensor, which keeps the "
-                              "gathered inputs (set float8: false, or"),
+                (plan.float8, "float8: float8 linears save their own inputs, the gathered ones (set float8: "
+                              "false, or"),
                 (plan.ac == "selective", "ac 'selective': sequence shards are kept with ac none or full (or")):
             if bad:
                 raise ConfigError(f"workload key 'tp_activations' is {show(wl.tp_activations)} with {why} set "
@@ -361,10 +361,11 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if plan.cp > 1 and not _module_exists("executor.parallel.context_parallel"):
         raise ConfigError("plan key 'cp' > 1 needs executor/parallel/context_parallel.py, which is not installed")
     if plan.float8:
+        if plan.tp > 1 and plan.backend == "dtensor":
+            raise ConfigError("plan key 'float8' with tp > 1 runs on backend spmd_types only (torchao's float8 TP "
+                              "styles for DTensor are not wired here): set backend: spmd_types, or tp: 1")
         if not _module_exists("torchao"):
             raise ConfigError("plan key 'float8' is true but torchao is not installed (pip install torchao)")
-        if plan.tp > 1:
-            raise ConfigError("plan key 'float8' with tp > 1 is not supported by titan-run yet")
     tok = check_tokenizer(cfg.train.tokenizer, spec)     # it loads, its vocabulary fits (executor/tokenizer.py)
     if cfg.train.data != "stdlib" and not _exists(Path(cfg.train.data)):
         raise ConfigError(f"train key 'data': {show(cfg.train.data)} does not exist (a .txt/.jsonl file, a folder, "

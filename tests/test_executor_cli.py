@@ -315,14 +315,14 @@ def test_failing_rank_fails_the_run_without_hanging(tmp_path):
     assert summary["status"] == "error"
 
 
-def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(capsys):
-    """Float8 with TP is the one piece spmd_types lacks here (torchao's float8 TP exists only as DTensor
-    styles): the run takes dtensor and says so in one line naming it; never silently."""
-    plan = Plan(dp_shard=2, tp=2, float8=True)
-    assert "float8 with tensor parallel" in spmd_plan_unsupported(plan)
-    assert spmd_plan_unsupported(Plan(dp_shard=2, tp=2)) is None
-    assert resolve_backend(plan, SimpleNamespace(spmd_dp=None), announce=True) == "dtensor"
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: float8"), err
-    assert resolve_backend(Plan(dp_shard=2, tp=2), SimpleNamespace(spmd_dp=None), announce=True) == "spmd_types"
-    assert capsys.readouterr().err == ""
+def test_float8_with_tp_on_dtensor_is_refused_in_one_line(tmp_path):
+    """Float8 under TP runs on spmd_types (global amax scales, parallel/spmd_float8.py); the dtensor backend has
+    no float8 TP here, so that plan is refused before any process starts, whether or not torchao is installed."""
+    f = write_plan(tmp_path, {"tp": 2, "microbatch": 4, "float8": True, "backend": "dtensor"})
+    p = run(["--plan", f, "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "plan key 'float8' with tp > 1 runs on backend spmd_types only" in p.stderr
+    assert not (tmp_path / "run").exists()
+    assert spmd_plan_unsupported(Plan(dp_shard=2, tp=2, float8=True)) is None
+    assert resolve_backend(Plan(dp_shard=2, tp=2, float8=True), SimpleNamespace(spmd_dp=None),
+                           announce=True) == "spmd_types"

@@ -30,6 +30,7 @@ naming the missing piece where it cannot run a plan (:func:`resolve_backend`).
 """
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from .fsdp import apply_fsdp, apply_fsdp_spmd, spmd_fsdp_supported
 from .pipeline import pipeline_split
 from .spmd_context_parallel import apply_spmd_cp
 from .spmd_expert_parallel import apply_spmd_ep
+from .spmd_float8 import apply_spmd_float8_tp
 from .spmd_step import spmd_mesh
 from .spmd_tensor_parallel import apply_spmd_tp, spmd_tp_unsupported
 from .tensor_parallel import apply_tp
@@ -83,22 +85,24 @@ def tp_shards_embedding(plan: Plan) -> bool:
 
 
 def apply_float8(module: nn.Module) -> None:
+    # torchao (0.18) registers an Enum as a pytree constant on import, which torch 2.14 logs as deprecated
+    # on every rank: a warning about torchao's code, not the run's; silenced for the import only
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
     try:
         # optional package (the float8 extra): only float8 plans need it
         from torchao.float8 import convert_to_float8_training
     except ImportError:
         raise ValueError("plan key 'float8' is true but torchao is not installed (pip install torchao)") from None
+    finally:
+        pytree_log.setLevel(level)
     # the LM head stays in high precision, as in TorchTitan
     convert_to_float8_training(module, module_filter_fn=lambda mod, fqn: fqn != "output")
 
 
 def spmd_plan_unsupported(plan: Plan, spec: ModelSpec | None = None) -> str | None:
     """None if the spmd_types path can run `plan` (and `spec`), else the missing piece, in a few words."""
-    if plan.float8 and plan.tp > 1:
-        # data-parallel float8 runs on spmd_types (FSDP2 over the Float8Linear weights, the same steps as dtensor)
-        return ("float8 with tensor parallel (tp > 1): torchao's float8 TP exists only as DTensor styles "
-                "(Float8ColwiseParallel/Float8RowwiseParallel); on plain local shards its scales would come from "
-                "local amaxes, with no tp all-reduce of the amax")
     if plan.tp > 1 and spec is not None and (reason := spmd_tp_unsupported(spec)) is not None:
         return reason
     return None
@@ -135,6 +139,10 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     `tp_activations` (the workload key, resolved: ``gathered`` | ``sharded``) is what TP blocks keep of
     their all-gathered inputs (``spmd_tensor_parallel``); ``sharded`` runs on spmd_types in eager mode,
     with ac none (with ac full the checkpointed blocks save nothing inside: it changes nothing)."""
+    if plan.float8 and plan.tp > 1 and backend != "spmd_types":
+        # the dtensor path has no float8 TP here; the spmd path gives the sharded operands global scales
+        raise ValueError(f"plan key 'float8' with tp > 1 runs on backend spmd_types only, not {backend!r}: "
+                         "set float8: false or tp: 1")
     if plan.float8:
         apply_float8(module)
     if tp_activations == "sharded" and plan.tp > 1 and (backend != "spmd_types" or plan.compile
@@ -143,6 +151,8 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
                          f"selective ac, not with backend {backend!r}, compile {plan.compile}, ac {plan.ac!r}")
     if plan.tp > 1 and backend == "spmd_types":     # under ac full a checkpointed block saves nothing inside
         apply_spmd_tp(module, meshes.tp, tp_activations=tp_activations if plan.ac == "none" else "gathered")
+        if plan.float8:                             # the tp-sharded operands' scales from global amaxes
+            apply_spmd_float8_tp(module, meshes.tp)
     elif plan.tp > 1:
         apply_tp(module, meshes.tp, loss_parallel=True, shard_embedding=tp_shards_embedding(plan))
     if plan.cp > 1 and backend == "spmd_types":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -134,11 +135,12 @@ class _Meshes:
     spmd_dp = object()        # resolve_backend only asks whether a data-parallel axis exists
 
 
-@pytest.mark.parametrize("plan, missing", [
-    (Plan(tp=2, float8=True), "float8 with tensor parallel"),
+@pytest.mark.parametrize("plan, spec, missing", [
+    # every attention a ModelSpec accepts has a table; a spec object with another one shows the rule
+    (Plan(tp=2), SimpleNamespace(attention="linear"), "attention 'linear' has no spmd_types TP sharding table"),
 ])
-def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missing, capsys):
-    assert resolve_backend(plan, _Meshes(), announce=True) == "dtensor"
+def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, spec, missing, capsys):
+    assert resolve_backend(plan, _Meshes(), announce=True, spec=spec) == "dtensor"
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("titan-run: note: backend dtensor instead of spmd_types: "), err
     assert missing in err[0], err
@@ -147,7 +149,8 @@ def test_a_plan_the_spmd_path_cannot_run_gets_dtensor_with_one_line(plan, missin
 @needs_spmd
 def test_tp_and_fsdp_plans_get_spmd_types_silently(capsys):
     for plan in (Plan(tp=2), Plan(dp_shard=2, tp=2), Plan(dp_replicate=2, dp_shard=2),
-                 Plan(dp_shard=2, compile=True), Plan(dp_shard=2, tp=2, compile=True), Plan(dp_shard=2, float8=True)):
+                 Plan(dp_shard=2, compile=True), Plan(dp_shard=2, tp=2, compile=True), Plan(dp_shard=2, float8=True),
+                 Plan(tp=2, float8=True)):
         assert resolve_backend(plan, _Meshes(), announce=True, spec=load_model("llama3-debug")) == "spmd_types"
     assert resolve_backend(Plan(tp=2, backend="dtensor"), _Meshes(), announce=True) == "dtensor"
     assert capsys.readouterr().err == ""
