@@ -48,7 +48,8 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     projection's input); fused (flash/SDPA) attention keeps no s x s scores but its output O and
     the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan RMSNorm upcasts to fp32
     and keeps the fp32 input plus the bf16 normalized output (3x the bf16 width), a fused norm
-    keeps its input; MoE blocks keep the top_k dispatched copies of the token, each expert's
+    keeps its input, titan-run's eager norm (``norm_impl: auto`` uncompiled) its input and the
+    per-token fp32 statistics (`_norm_saved_bytes`); MoE blocks keep the top_k dispatched copies of the token, each expert's
     hidden and, when the combine applies the router weights (``Workload.moe_weighting``), its output.
     Selective: 'attention' (Megatron, Korthikanti Sec. 4.3) drops the attention core's
     tensors (scores, or O and the LSE); 'op' (TorchTitan) keeps the block input, the
@@ -110,7 +111,7 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
     t = np.zeros(N_TERMS)
     col_in = FULL if workload.tp_keeps_gathered else SEQ    # where a column-parallel input lives
-    t[SEQ] = 2 * _norm_saved_bytes(workload, compiled, e, h) + 2 * drop * h   # two norms, two dropout masks
+    t[SEQ] = 2 * _norm_saved_bytes(model, workload, compiled, e, h) + 2 * drop * h   # two norms, two dropout masks
     t[col_in] += 2 * lin * h                          # QKV and FFN inputs
     # GQA K/V expansion: the executor (CoreAttention, repeat_interleave) and TorchTitan (repeat_kv)
     # expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
@@ -134,10 +135,17 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     return t
 
 
-def _norm_saved_bytes(workload, compiled: bool, e: float, h: int) -> float:
-    """Bytes per token one pre-norm keeps (see `layer_activation_terms`; `Workload.norm_impl`)."""
+def _norm_saved_bytes(model, workload, compiled: bool, e: float, h: int) -> float:
+    """Bytes per token one pre-norm keeps (see `layer_activation_terms`; `Workload.norm_impl`).
+
+    titan-run's eager norms (``auto`` uncompiled, executor/models/layers.py) keep their input and fp32
+    per-token statistics, exactly: RMSNorm (``RMSNormFunction``) the rstd, LayerNorm (``nn.LayerNorm``'s
+    one aten kernel) the mean and the rstd (fp32 for 16-bit inputs on CUDA; CPU keeps them in the input
+    dtype).  ``eager`` is PyTorch's composite RMSNorm as TorchTitan's ``nn.RMSNorm`` runs it."""
     if workload.norm_fused(compiled):
         return e * h                                  # fused norm: its input (+ a per-token rstd)
+    if workload.norm_impl == "auto":
+        return e * h + (4.0 if model.norm == "rmsnorm" else 8.0)
     if workload.dtype == "bf16":
         return 3 * e * h                              # eager: fp32 upcast (2e) + bf16 normalized (e)
     return 2 * e * h                                  # eager fp32: input and normalized output
@@ -288,13 +296,14 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
 
 def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
     """Bytes the loss stage keeps per in-flight micro-batch for the final norm and the LM head's
-    input: the norm's input and normalized output (2 x the width when eager fp32, see
-    `layer_activation_terms`) and the head's (under DTensor TP all-gathered) input."""
+    input: what the final norm keeps (`_norm_saved_bytes`) and the head's (under DTensor TP
+    all-gathered) input."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     h = model.dim
     tp = table.tp.astype(np.float64)
     sp = tp if workload.sequence_parallel else np.ones_like(tp)
     tokens = table.microbatch * workload.seq_len / table.cp
-    norm_in = np.where(compiled, _norm_saved_bytes(workload, True, e, h), _norm_saved_bytes(workload, False, e, h))
+    norm_in = np.where(compiled, _norm_saved_bytes(model, workload, True, e, h),
+                       _norm_saved_bytes(model, workload, False, e, h))
     head_in = e * h / (1.0 if workload.tp_keeps_gathered else sp)
     return tokens * (norm_in / sp + head_in)

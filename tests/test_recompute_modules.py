@@ -171,12 +171,15 @@ def test_titan_run_keeps_sequence_shards_on_spmd_types_eager_without_selective_a
 def test_norm_impl_fused_keeps_the_input_only():
     m = load_model("llama3-8b")
     kw = dict(seq_len=4096, global_batch=8)
-    eager = layer_activation_terms(m, Workload(**kw), False, "none", False)
+    eager = layer_activation_terms(m, Workload(norm_impl="eager", **kw), False, "none", False)
     fused = layer_activation_terms(m, Workload(norm_impl="fused", **kw), False, "none", False)
     assert eager[SEQ] - fused[SEQ] == pytest.approx(2 * (3 - 1) * 2.0 * m.dim)   # two norms: 3x -> 1x the width
+    # auto, eager: titan-run's RMSNorm keeps the input and a per-token fp32 rstd
+    auto = layer_activation_terms(m, Workload(**kw), False, "none", False)
+    assert auto[SEQ] - fused[SEQ] == 2 * 4.0
     assert np.array_equal(layer_activation_terms(m, Workload(**kw), False, "none", True), layer_activation_terms(
         m, Workload(norm_impl="fused", **kw), False, "none", True))                 # auto: fused when compiled
     plan = Plan(dp_shard=8, microbatch=2, n_microbatches=1, ac="none", runnable=False)
-    e = _estimate([plan], m, Workload(**kw))
+    e = _estimate([plan], m, Workload(norm_impl="eager", **kw))
     f = _estimate([plan], m, Workload(norm_impl="fused", **kw))
     assert f.memory["activations"][0] < e.memory["activations"][0]

@@ -108,5 +108,56 @@ class FeedForward(nn.Module):
 
 def make_norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
-        return nn.RMSNorm(spec.dim, eps=spec.norm_eps)
+        return RMSNorm(spec.dim, eps=spec.norm_eps)
     return nn.LayerNorm(spec.dim, eps=spec.norm_eps, bias=False)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over the last dimension (same parameter, same state-dict key ``weight``) whose eager
+    forward and backward are :class:`RMSNormFunction`; under torch.compile ``F.rms_norm``, which Inductor
+    decomposes and fuses with its backward (the partitioner then picks what to keep)."""
+
+    def __init__(self, dim: int, eps: float | None = None):
+        super().__init__(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps     # F.rms_norm's default
+        return RMSNormFunction.apply(x, self.weight, eps)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm ``x * rsqrt(mean(x^2) + eps) * weight`` with a hand-written backward.
+
+    It keeps for backward only its input and the per-token ``rstd`` (fp32, one value per token), nothing
+    of the width of the normalized output: autograd through ``F.rms_norm``'s eager composite keeps the
+    (upcast) input, the normalized output and rstd.  The backward is autograd's own chain rule for that
+    composite, op for op (mul, rsqrt, mean and pow backward, with the small per-token factors folded
+    first: multiplying by 2 is exact), so in fp32 the output and both gradients equal ``F.rms_norm``'s bit
+    for bit, in ~half the CPU time (fewer and smaller elementwise passes).  Low-precision inputs are
+    normalized in fp32 and rounded once at the end, forward and backward, as ``F.rms_norm`` does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xw = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xw * rstd * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xw, g = x.to(rstd.dtype), grad.to(rstd.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_norm = g * weight                                        # d out / d (x * rstd)
+            g_rstd = (g_norm * xw).sum(-1, keepdim=True)
+            # rsqrt' = -rstd^3 / 2, mean' = 1 / n, (x^2)' = 2x: one per-token factor times x
+            factor = g_rstd * -0.5 * rstd.pow(3) / x.shape[-1] * 2
+            grad_x = g_norm * rstd
+            grad_x += factor * xw
+            grad_x = grad_x.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g * (xw * rstd)).sum(tuple(range(x.dim() - 1))).to(weight.dtype)
+        return grad_x, grad_w, None

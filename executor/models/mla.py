@@ -34,7 +34,7 @@ from torch import nn
 
 from cost_models.specs import ModelSpec
 
-from .layers import CoreAttention, apply_rope
+from .layers import CoreAttention, RMSNorm, apply_rope
 
 
 class MLAttention(nn.Module):
@@ -47,12 +47,12 @@ class MLAttention(nn.Module):
         h = spec.n_heads
         if self.q_lora_rank:
             self.wq_a = nn.Linear(spec.dim, self.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=spec.norm_eps)
+            self.q_norm = RMSNorm(self.q_lora_rank, eps=spec.norm_eps)
             self.wq_b = nn.Linear(self.q_lora_rank, h * self.qk_dim, bias=False)
         else:
             self.wq = nn.Linear(spec.dim, h * self.qk_dim, bias=False)
         self.wkv_a = nn.Linear(spec.dim, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=spec.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=spec.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(h * self.v_dim, spec.dim, bias=False)
         self.sdpa = CoreAttention()

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import spmd_types as spmd
 
-from ..models.layers import Rotary
+from ..models.layers import RMSNormFunction, Rotary
 from .fsdp import DP_AXES, spmd_loss, spmd_typecheck
 from .spmd_context_parallel import spmd_cp_shard_batch
 from .spmd_tensor_parallel import vocab_parallel_cross_entropy
@@ -33,6 +33,9 @@ from .tensor_parallel import cross_entropy
 # RoPE (layers.Rotary, an autograd Function: a pairwise rotation, no collective) is local: declared so, the
 # checker carries q's and k's types through it (an unregistered Function leaves its output untyped)
 spmd.register_local_autograd_function(Rotary)
+# so is the eager RMSNorm (layers.RMSNormFunction: per-token statistics over the unsharded last dimension): its
+# output is V where the tokens are (R weight x V input), R where they are R (MLA's latent norms under TP)
+spmd.register_local_autograd_function(RMSNormFunction)
 
 
 def spmd_mesh(meshes, plan) -> DeviceMesh | None:
