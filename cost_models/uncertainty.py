@@ -98,8 +98,9 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
     if node_limited(model):
         add("node-limited expert routing across nodes", across)
     if model.is_moe:
-        add("MoE dispatch across nodes " + ("once per remote node (DeepEP / HybridEP)"
-                                            if sends_once_per_node(model, workload) else "of every routed copy"), across)
+        how = "once per remote node (DeepEP / HybridEP)" if sends_once_per_node(model, workload) \
+            else "of every routed copy"
+        add("MoE dispatch across nodes " + how, across)
     if workload.selective_ac == "modules":
         add("selective recompute by Megatron submodules", table.is_ac("selective"))
     add("tensor parallel keeping " + ("gathered inputs" if workload.tp_keeps_gathered else "sequence shards"),
