@@ -129,7 +129,7 @@ def setup(cfg: RunConfig) -> Trainer:
 
     # 2. model: meta -> split -> parallelize -> materialize -> init (executor/parallel/parallelize.py)
     stages = build_model_parts(cfg.spec, cfg.plan, meshes, precision=precision, backend=backend, device=device,
-                               seed=cfg.train.seed, workload=cfg.workload)
+                               seed=cfg.train.seed, workload=cfg.workload, typecheck=cfg.train.spmd_typecheck)
     params = [p for _, m in stages for p in m.parameters()]
     runner = None
     if cfg.plan.pp > 1 and backend == "spmd_types":     # typed stages and loss: parallel/spmd_pipeline.py

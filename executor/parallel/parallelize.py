@@ -112,8 +112,9 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
     """The backend a run uses for the plan's ``backend`` knob.
 
     ``spmd_types`` (the default) runs every axis -- FSDP/HSDP, TP/SP (dense, MoE and MLA blocks), CP,
-    EP and PP -- eager or with per-block compile (erasure mode: the typed collectives run as
-    eager islands between the compiled regions): typed local parameters, explicit typed
+    EP and PP -- eager or with per-block compile (erasure mode: a compiled block's TP boundaries are
+    untyped functional collectives traced into its graph, the other typed collectives eager islands
+    between the compiled regions): typed local parameters, explicit typed
     collectives (``fsdp.py``, ``spmd_*.py``).  Elsewhere (:func:`spmd_plan_unsupported`) the run
     uses ``dtensor``, announced in ONE line (with `announce`) naming the missing piece: the torch
     version when this torch has no spmd_types FSDP2 (torch < 2.14), else what the plan needs that
@@ -133,12 +134,14 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
 
 
 def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
-                tp_activations: str = "gathered") -> nn.Module:
+                tp_activations: str = "gathered", typecheck: bool = False) -> nn.Module:
     """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place.
 
     `tp_activations` (the workload key, resolved: ``gathered`` | ``sharded``) is what TP blocks keep of
     their all-gathered inputs (``spmd_tensor_parallel``); ``sharded`` runs on spmd_types in eager mode,
-    with ac none (with ac full the checkpointed blocks save nothing inside: it changes nothing)."""
+    with ac none (with ac full the checkpointed blocks save nothing inside: it changes nothing).  Compiled
+    blocks get TP boundaries with their types erased, traced into the graph
+    (``spmd_tensor_parallel.ERASED_OPS``), unless `typecheck` (``train.spmd_typecheck``) keeps them typed."""
     if plan.float8 and plan.tp > 1 and backend != "spmd_types":
         # the dtensor path has no float8 TP here; the spmd path gives the sharded operands global scales
         raise ValueError(f"plan key 'float8' with tp > 1 runs on backend spmd_types only, not {backend!r}: "
@@ -150,7 +153,8 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         raise ValueError(f"tp_activations 'sharded' runs on backend spmd_types without compile and without "
                          f"selective ac, not with backend {backend!r}, compile {plan.compile}, ac {plan.ac!r}")
     if plan.tp > 1 and backend == "spmd_types":     # under ac full a checkpointed block saves nothing inside
-        apply_spmd_tp(module, meshes.tp, tp_activations=tp_activations if plan.ac == "none" else "gathered")
+        apply_spmd_tp(module, meshes.tp, tp_activations=tp_activations if plan.ac == "none" else "gathered",
+                      erased_blocks=plan.compile and not typecheck)
         if plan.float8:                             # the tp-sharded operands' scales from global amaxes
             apply_spmd_float8_tp(module, meshes.tp)
     elif plan.tp > 1:
@@ -182,7 +186,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
 
 def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
                       device: torch.device | None = None, seed: int = 0,
-                      workload=None) -> list[tuple[int, nn.Module]]:
+                      workload=None, typecheck: bool = False) -> list[tuple[int, nn.Module]]:
     """This rank's model parts, ``[(stage index, module)]`` (``[(0, model)]`` without PP), parallelized.
 
     Built on the meta device, split into this rank's pipeline stages, each stage parallelized
@@ -197,7 +201,8 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
     stages = pipeline_split(model, plan, meshes.pp) if plan.pp > 1 else [(0, model)]
     tp_activations = "gathered" if workload is None or workload.tp_keeps_gathered else "sharded"
     for _, module in stages:
-        parallelize(module, plan, meshes, precision=precision, backend=backend, tp_activations=tp_activations)
+        parallelize(module, plan, meshes, precision=precision, backend=backend, tp_activations=tp_activations,
+                    typecheck=typecheck)
     if device is not None:
         for _, module in stages:
             module.to_empty(device=device)

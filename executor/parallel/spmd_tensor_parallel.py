@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -201,6 +202,21 @@ def _scatter_seq(x: torch.Tensor, tp: _TP) -> torch.Tensor:
 BOUNDARY_OPS = {ALL_GATHER: _gather_seq, REDUCE_SCATTER: _scatter_seq}
 
 
+def _gather_seq_erased(x: torch.Tensor, tp: _TP) -> torch.Tensor:
+    # torch's functional collective (autograd: its backward is the sum reduce-scatter, in the gradient's dtype)
+    return funcol.all_gather_single(x, SEQ_DIM, tp.group)
+
+
+def _scatter_seq_erased(x: torch.Tensor, tp: _TP) -> torch.Tensor:
+    return funcol.reduce_scatter_single(x, "sum", SEQ_DIM, tp.group)
+
+
+# the same collectives with their types erased, for the boundaries inside a compiled block (apply_spmd_tp
+# `erased_blocks`): spmd_types' collectives read ``x.grad_fn``, which Dynamo cannot trace, so a typed boundary is an
+# eager island that splits the block's graph; torch's functional collectives are traced into it
+ERASED_OPS = {ALL_GATHER: _gather_seq_erased, REDUCE_SCATTER: _scatter_seq_erased}
+
+
 # --------------------------------------------------------------------------- tp_activations: sharded
 class _SeqShard:
     """This rank's sequence shard of one all-gathered module input, kept for backward in its place.
@@ -324,7 +340,8 @@ def _eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict, keep_shards: bool) -> None:
+def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict, keep_shards: bool,
+               erased: bool = False) -> None:
     for name, kind in sharding.params.items():
         p = getattr(module, name, None)
         if p is None:
@@ -349,6 +366,14 @@ def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict,
         module.register_forward_pre_hook(embed_pre)
         module.register_forward_hook(embed_post)
 
+    if erased:      # inside a compiled block: untyped collectives traced into its graph (ERASED_OPS)
+        if sharding.input is not None:
+            gather = _boundary_op(sharding.input, "input", ERASED_OPS)
+            module.register_forward_pre_hook(lambda mod, args: (gather(args[0], tp), *args[1:]))
+        if sharding.output is not None:     # a pending sum (partial_output) is a type only: nothing to run
+            scatter = _boundary_op(sharding.output, "output", ERASED_OPS)
+            module.register_forward_hook(lambda mod, args, out: scatter(out, tp))
+        return
     if sharding.input is not None:
         gather = _boundary_op(sharding.input, "input")
         if keep_shards and sharding.input == ALL_GATHER:
@@ -365,34 +390,38 @@ def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict,
         module.register_forward_hook(_eager(lambda mod, args, out: scatter(out, tp)))
 
 
-def _boundary_op(name: str, where: str):
-    if name not in BOUNDARY_OPS:
-        raise ValueError(f"ModuleSharding.{where}: {name!r} (allowed: {', '.join(map(repr, BOUNDARY_OPS))})")
-    return BOUNDARY_OPS[name]
+def _boundary_op(name: str, where: str, ops: dict = BOUNDARY_OPS):
+    if name not in ops:
+        raise ValueError(f"ModuleSharding.{where}: {name!r} (allowed: {', '.join(map(repr, ops))})")
+    return ops[name]
 
 
-def _apply_table(root: nn.Module, table: dict, tp: _TP, done: dict, keep_shards: bool) -> None:
+def _apply_table(root: nn.Module, table: dict, tp: _TP, done: dict, keep_shards: bool,
+                 erased: bool = False) -> None:
     for path, sharding in table.items():
         try:
             module = root.get_submodule(path)
         except AttributeError:      # absent in this model (GELU MLP has no w3) or this pipeline stage
             continue
         if module is not None:
-            _apply_one(module, sharding, tp, done, keep_shards)
+            _apply_one(module, sharding, tp, done, keep_shards, erased)
 
 
 TP_ACTIVATIONS = ("gathered", "sharded")
 
 
 def apply_spmd_tp(model: nn.Module, tp_mesh: DeviceMesh, *, block_sharding: dict | None = None,
-                  root_sharding: dict | None = None, tp_activations: str = "gathered") -> None:
+                  root_sharding: dict | None = None, tp_activations: str = "gathered",
+                  erased_blocks: bool = False) -> None:
     """Shard `model` (on the meta device) over `tp_mesh` as the tables say; hooks do the typed collectives.
 
     The tables default to :data:`BLOCK_SHARDING` / :data:`ROOT_SHARDING` (a test passes an
     altered copy to show that the checker names a missing collective).  `tp_activations`:
     ``gathered`` lets the linears save the all-gathered inputs, ``sharded`` keeps the sequence
     shards and all-gathers them again in backward (module docstring; eager only: not under
-    compile, and it must not run inside selective checkpointing)."""
+    compile, and it must not run inside selective checkpointing).  `erased_blocks` (for blocks that will be
+    compiled, with the checker off): the blocks' boundaries run :data:`ERASED_OPS`, the same collectives
+    without their types, traced into the compiled graph; the root's (embedding, LM head) stay typed."""
     if tp_activations not in TP_ACTIVATIONS:
         raise ValueError(f"apply_spmd_tp: tp_activations {tp_activations!r} (allowed: "
                          f"{', '.join(map(repr, TP_ACTIVATIONS))})")
@@ -400,8 +429,12 @@ def apply_spmd_tp(model: nn.Module, tp_mesh: DeviceMesh, *, block_sharding: dict
     done: dict = {}
     keep = tp_activations == "sharded"
     _apply_table(model, ROOT_SHARDING if root_sharding is None else root_sharding, tp, done, keep)
+    if erased_blocks and keep:
+        raise ValueError("apply_spmd_tp: tp_activations 'sharded' keeps shards in eager blocks only, not with "
+                         "erased_blocks")
     for block in model.layers.values():
-        _apply_table(block, _block_table(block) if block_sharding is None else block_sharding, tp, done, keep)
+        _apply_table(block, _block_table(block) if block_sharding is None else block_sharding, tp, done, keep,
+                     erased_blocks)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh,

@@ -130,6 +130,37 @@ def test_a_second_spmd_model_in_one_process_builds_and_steps():
     assert first == second and math.isfinite(first)
 
 
+# --------------------------------------------------------------------------- compile: one graph per block
+def _compiled_graphs_case() -> list:
+    """Graph breaks and compiled graphs of one forward of llama3-debug at tp 2 with per-block compile (fake
+    process group, rank 0 of 2): erased TP boundaries, then with the checker's typed ones (typecheck)."""
+    from torch._dynamo.utils import counters
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # test-only fake process group
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    plan = Plan(tp=2, microbatch=2, compile=True)
+    tok = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = []
+    for typecheck in (False, True):
+        counters.clear()
+        torch._dynamo.reset()
+        stages = build_model_parts(load_model("llama3-debug"), plan, build_meshes(plan, "cpu"),
+                                   precision=Precision(torch.float32, torch.float32), backend="spmd_types",
+                                   device=torch.device("cpu"), typecheck=typecheck)
+        stages[0][1](tok)
+        out.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
+    return out
+
+
+@needs_spmd
+def test_compiled_blocks_trace_their_tp_collectives_into_one_graph():
+    """A compiled block's TP boundaries are the collectives with their types erased (ERASED_OPS), which Dynamo
+    traces: no graph break, one graph for the identical blocks.  With the checker on they stay typed eager
+    islands (measured: 4 breaks, 7 graphs), which is what the erased path removes."""
+    (erased_breaks, erased_graphs), (typed_breaks, typed_graphs) = in_fresh_process(_compiled_graphs_case)
+    assert erased_breaks == 0 and erased_graphs == 1, (erased_breaks, erased_graphs)
+    assert typed_breaks > 0 and typed_graphs > 1, (typed_breaks, typed_graphs)
+
+
 # --------------------------------------------------------------------------- which backend a plan gets
 class _Meshes:
     spmd_dp = object()        # resolve_backend only asks whether a data-parallel axis exists
