@@ -51,6 +51,28 @@ def test_equals_f_rms_norm_bit_for_bit(dtype):
     assert isinstance(norm, nn.RMSNorm) and list(norm.state_dict()) == ["weight"]
 
 
+def test_a_model_forward_is_unchanged_and_its_gradients_agree_to_rounding():
+    """In a model the residual stream's gradient sums the norm's input gradient as one term (the composite
+    adds its two terms one at a time): forward and loss bit-identical, gradients within fp32 rounding."""
+    import copy
+    spec = load_model("llama3-debug")
+    torch.manual_seed(0)
+    block = TransformerBlock(0, spec)
+    composite = copy.deepcopy(block)
+    for m in composite.modules():
+        if isinstance(m, RMSNorm):
+            m.forward = (lambda mod: lambda x: F.rms_norm(x, mod.normalized_shape, mod.weight, mod.eps))(m)
+    x = torch.randn(2, 32, spec.dim, generator=torch.Generator().manual_seed(3))
+    cos, sin = rope_cos_sin(torch.arange(32), spec.head_dim, spec.rope_theta, torch.float32)
+    outs = [m(x, cos, sin) for m in (block, composite)]
+    assert torch.equal(outs[0], outs[1])
+    for out in outs:
+        out.square().sum().backward()
+    for (name, p), q in zip(block.named_parameters(), composite.parameters()):
+        # relative to the largest entry (a rounding of one sum propagates through the block's matmuls)
+        assert (p.grad - q.grad).abs().max() <= 1e-6 * q.grad.abs().max(), name
+
+
 def test_non_contiguous_and_two_dimensional_inputs():
     # MLA's kv_norm normalizes a slice of wkv_a's output; the LM head's norm may see [tokens, dim]
     norm, _, _ = _inputs()
