@@ -14,6 +14,7 @@ import numpy as np
 from .comm import all_reduce_time, group_link, ring_gather_time
 from .compute import Rates
 from .layout import layer_mix, layers_per_rank, rank_params
+from .flops import param_counts as model_param_counts
 
 
 def layout_facts(table, model) -> dict:
@@ -49,7 +50,7 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     facts = facts or layout_facts(table, model)   # (`facts`: computed once per distinct layout, broadcast)
     if workload.state_layout == "fsdp2":
         return _fsdp2_data_parallel(table, coeffs, links, r, st, facts)
-    return _megatron_data_parallel(table, hw, workload, coeffs, st, facts["rp"])
+    return _megatron_data_parallel(table, model, hw, workload, coeffs, st, facts["rp"])
 
 
 def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -135,18 +136,84 @@ def grad_accum_bytes(table, model, workload, rp) -> np.ndarray:
     return 3.0 * g * held * np.maximum(nmb - 1.0, 0.0)
 
 
-def _megatron_data_parallel(table, hw, workload, coeffs, st, rp) -> tuple[np.ndarray, np.ndarray]:
-    """`data_parallel` for the Megatron layout (distributed optimizer, or an all-reduce at zero 0)."""
+# Megatron-LM's default gradient bucket: max(40M, 1M x dp) parameters
+# (megatron/core/distributed/distributed_data_parallel.py, DistributedDataParallel.__init__:
+# ``bucket_size = max(40000000, 1000000 * dp_group.size())``, "larger DP sizes need larger buckets to
+# ensure collectives do not become latency-bound", DistributedDataParallelConfig.bucket_size)
+MEGATRON_MIN_BUCKET = 40e6
+MEGATRON_BUCKET_PER_DP_RANK = 1e6
+
+
+def megatron_bucket_params(dp) -> np.ndarray:
+    """Megatron-LM's default DDP bucket size (parameters) for a data-parallel group of `dp` ranks."""
+    return np.maximum(MEGATRON_MIN_BUCKET, MEGATRON_BUCKET_PER_DP_RANK * np.asarray(dp, dtype=np.float64))
+
+
+def megatron_last_bucket(bucket, head, block, n_blocks, emb) -> np.ndarray:
+    """Parameters in the last gradient bucket of a Megatron DDP buffer: the one whose reduce-scatter
+    starts only when the backward is over, and whose parameters the next forward all-gathers first.
+
+    Megatron walks the parameters in reverse (backprop) order -- LM head and final norm (`head`, on
+    the stage that holds them), the `n_blocks` blocks from the last, the embedding (`emb`) -- and closes
+    a bucket as soon as it holds >= `bucket` parameters
+    (param_and_grad_buffer.py, ``_compute_default_per_buffer_param_layout``); the remainder, which
+    ends with the embedding, is the last bucket.  Walked at block granularity (a block's tensors are
+    not split here): the first bucket closes after the head and j1 = ceil((bucket - head) / block)
+    blocks (none if the head alone fills it), each later one after m = ceil(bucket / block) blocks, so
+    the last holds the (n - j1) mod m leftover blocks and the embedding -- or everything when the
+    first bucket never closes before the embedding.
+    """
+    bucket, head, block = (np.asarray(x, dtype=np.float64) for x in (bucket, head, block))
+    n = np.asarray(n_blocks, dtype=np.float64)
+    blk = np.maximum(block, 1.0)
+    j1 = np.where(head >= bucket, 0.0, np.ceil(np.maximum(bucket - head, 0.0) / blk))
+    m = np.maximum(np.ceil(bucket / blk), 1.0)
+    rest = np.mod(np.maximum(n - j1, 0.0), m) * block + emb
+    total = head + n * block + emb
+    return np.where(j1 > n, total, np.minimum(rest, total))
+
+
+def _megatron_tail_params(table, model, rp) -> np.ndarray:
+    """The last gradient bucket (parameters, dense buffer) of pipeline rank 0, whose model chunk 0 holds
+    the embedding and is the last to finish its backward: Megatron buckets only that chunk (ranks
+    pp > 0 and interleaved chunks after the first get one bucket, their sync "not on the critical
+    path": DistributedDataParallel.__init__, ``disable_bucketing or pp_rank > 0``; training.py,
+    ``disable_bucketing=(model_chunk_idx > 0)``).  The head sits on chunk 0 only without pipelining."""
+    emb = np.asarray(rp["first_has_emb"], dtype=np.float64) * (model_param_counts(model)["embedding"]
+                                                                 / table.tp)
+    nd, nm = rp["first_layers"]
+    nb = np.maximum(nd + nm, 1)
+    block = (nd * rp["dense_block"] + nm * rp["moe_dense_block"]) / nb
+    chunk0 = np.ceil((nd + nm) / table.stages_per_rank)          # stage 0 is the largest stage
+    head = np.where(table.pp * table.stages_per_rank == 1, rp["first_dense"] - (nd * rp["dense_block"]
+                    + nm * rp["moe_dense_block"]) - emb, 0.0)
+    dp = table.dp_replicate * table.dp_shard
+    return megatron_last_bucket(megatron_bucket_params(dp), np.maximum(head, 0.0), block, chunk0, emb)
+
+
+def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel` for the Megatron layout (distributed optimizer, or an all-reduce at zero 0).
+
+    Overlapped (dp_overlap > 0: --overlap-grad-reduce / --overlap-param-gather), the buckets' collectives
+    run under the last micro-batch's backward and the first one's forward, but not the last bucket's
+    reduce-scatter, issued when the backward is over, nor its all-gather, which the first forward
+    pre-hook waits for (finish_param_sync dispatches the next bucket's only then): each exposes at
+    least that one bucket (`megatron_last_bucket`)."""
     ov = coeffs.dp_overlap
     dpn = table.dp_cp.astype(np.float64)
     link = group_link(dpn, table.tp, hw, coeffs)
     local = rp["last_dense"] + rp["last_expert"]
     g = workload.grad_elem_bytes                  # fp32 main gradients, or bf16 (grad_dtype)
+    tail = np.minimum(_megatron_tail_params(table, model, rp), local)
     if workload.zero >= 1:
         red = ring_gather_time(dpn, g * local, link.bw, link.alpha)
         gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
+        red_tail = ring_gather_time(dpn, g * tail, link.bw, link.alpha)
+        gath_tail = ring_gather_time(dpn, 2.0 * tail, link.bw, link.alpha)
     else:
         red, gath = all_reduce_time(dpn, g * local, link.bw, link.alpha, link.tree_latency), 0.0
-    dp = np.maximum(0.0, red - ov * (st["B"] + st["W"])) + np.maximum(0.0, gath - ov * st["F"])
+        red_tail, gath_tail = all_reduce_time(dpn, g * tail, link.bw, link.alpha, link.tree_latency), 0.0
+    dp = (np.maximum(red - ov * (st["B"] + st["W"]), red_tail)
+          + np.maximum(gath - ov * st["F"], gath_tail))
     opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
     return dp, opt_bytes
