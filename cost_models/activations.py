@@ -282,7 +282,7 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     piped = table.pp > 1
     # torch.distributed.pipelining only (the fsdp2 layout); Megatron frees a sent output's data
     # (deallocate_output_tensor) and waits its sends per micro-batch
-    torch_pp = workload.state_layout == "fsdp2"
+    torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors (auto: kept for fsdp2, freed for megatron)
     boundary = np.where(piped & ~multi & torch_pp, v * resid, 0.0)
     sends = np.where(multi & torch_pp, (2 * v - 1) * table.n_microbatches * resid, 0.0)
     out_width = 0.0 * tp

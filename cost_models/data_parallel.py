@@ -37,8 +37,9 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     micro-batch (gradients are synchronised each one); with pipelining the schedule defers the
     reduce-scatter to the last micro-batch and keeps parameters gathered (torch.distributed.
     pipelining), so one all-gather pass and one reduce-scatter pass per step (plus a backward
-    all-gather per micro-batch when reshard_after_forward).  Dense blocks shard over
-    dp_shard*cp, experts over dp_shard*cp/ep.
+    all-gather per micro-batch when reshard_after_forward); with workload ``pp_grad_sync:
+    every_microbatch`` (the Llama 3 paper's FSDP) every micro-batch syncs, as without pipelining.
+    Dense blocks shard over dp_shard*cp, experts over dp_shard*cp/ep.
     megatron: the distributed optimizer (zero >= 1, ZeRO-1) reduce-scatters the main gradients
     (fp32 in Megatron-LM; bf16 with grad_dtype bf16, NeMo / Megatron-Bridge recipes) and
     all-gathers bf16 parameters once per step, overlapped with the last micro-batch's backward
@@ -49,12 +50,14 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     """
     facts = facts or layout_facts(table, model)   # (`facts`: computed once per distinct layout, broadcast)
     if workload.state_layout == "fsdp2":
-        return _fsdp2_data_parallel(table, coeffs, links, r, st, facts)
+        return _fsdp2_data_parallel(table, coeffs, links, r, st, facts, workload.pp_defers_grad_sync)
     return _megatron_data_parallel(table, model, hw, workload, coeffs, st, facts["rp"])
 
 
-def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tuple[np.ndarray, np.ndarray]:
-    """`data_parallel` for the fsdp2 layout (FSDP2 / HSDP, per-block collectives)."""
+def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict,
+                         defer_grad_sync: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel` for the fsdp2 layout (FSDP2 / HSDP, per-block collectives); `defer_grad_sync`:
+    workload ``pp_grad_sync`` is ``last_microbatch`` (else every pipeline micro-batch syncs as pp == 1's)."""
     rp = facts["rp"]
     nmb = table.n_microbatches.astype(np.float64)
     nblocks = np.asarray(facts["nblocks"]).astype(np.float64)
@@ -76,8 +79,10 @@ def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tup
     ar = all_reduce_time(table.dp_replicate, 4.0 * (dense_blk / fsdp_n + exp_blk / efsdp_n), rep.bw, rep.alpha,
                          rep.tree_latency)
     # the root unit (executor/parallel/fsdp.py: fully_shard(model) after the blocks): what this rank
-    # holds outside its blocks -- embedding and/or LM head and final norm
-    root = rp["last_dense"] - nd * rp["dense_block"] - nm * rp["moe_dense_block"]
+    # holds outside its blocks -- embedding and/or LM head and final norm (the last rank's blocks, which
+    # can be fewer than the busiest rank's)
+    nd_last, nm_last = rp["last_layers"]
+    root = rp["last_dense"] - nd_last * rp["dense_block"] - nm_last * rp["moe_dense_block"]
     ag_h = ring_gather_time(fsdp_n, root * r.elt, fs.bw, fs.alpha)
     rs_h = ring_gather_time(fsdp_n, root * 4.0, fs.bw, fs.alpha)
     # the V schedules run with resharding off: the executor keeps their parameters gathered
@@ -98,8 +103,17 @@ def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict) -> tup
     fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
     rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
     ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
-    dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass),
-                  fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass)
+    piped = fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass
+    # pp_grad_sync every_microbatch: every micro-batch reduce-scatters its gradients (blocks and root), and with
+    # reshard_after_forward also gathers its blocks in forward and in backward; without it the parameters stay
+    # gathered for the step (as `memory` charges them: one forward pass of gathers).  In the pipeline's steady
+    # state a rank alternates forwards and backwards, so a micro-batch's collectives share the link under its
+    # forward and backward compute together; the first gathers stay exposed, and the last micro-batch's
+    # backward (the cool-down runs backwards only) is the deferred schedule's reduce-scatter pass.
+    per_mb = nblocks * (rs + ar + 2.0 * rsf * ag) + rs_h + 2.0 * rsf * ag_h
+    steady = np.maximum(0.0, per_mb - ov * nblocks * (st["blockF"] + st["blockBW"]))
+    every = fwd_pass + rs_pass + np.maximum(nmb - 1, 0) * steady
+    dp = np.where(table.pp == 1, nmb * (fwd_pass + rs_pass), piped if defer_grad_sync else every)
     dp = np.where(fsdp_n * table.dp_replicate > 1, dp, 0.0)
     opt_bytes = 36.0 * (rp["last_dense"] / fsdp_n + rp["last_expert"] / efsdp_n)
     return dp, opt_bytes
@@ -111,8 +125,8 @@ def grad_accum_bytes(table, model, workload, rp) -> np.ndarray:
 
     * autograd: ``grad += g`` on every micro-batch after the first reads both and writes one, in
       the gradients' dtype -- on the unsharded gradients when pipelining defers the gradient sync
-      (fsdp2, pp > 1), else on this rank's shard after each micro-batch's reduce-scatter (fsdp2)
-      or on the whole local gradients (megatron);
+      (fsdp2, pp > 1, ``pp_grad_sync: last_microbatch``), else on this rank's shard after each
+      micro-batch's reduce-scatter (fsdp2) or on the whole local gradients (megatron);
     * fused: the weight-gradient GEMM accumulates into the main gradients (beta = 1): nothing;
     * hp_copy: DeepSpeed's BF16 optimizer after every micro-batch (``update_hp_grads``,
       deepspeed/runtime/bf16_optimizer.py, called by the pipeline engine's backward pass): the
@@ -130,7 +144,7 @@ def grad_accum_bytes(table, model, workload, rp) -> np.ndarray:
     g = workload.grad_elem_bytes
     if workload.state_layout == "fsdp2":
         shard = dense_p / table.fsdp_size + expert_p / table.expert_fsdp_size
-        held = np.where(table.pp > 1, local, shard)
+        held = np.where((table.pp > 1) & workload.pp_defers_grad_sync, local, shard)
     else:
         held = local
     return 3.0 * g * held * np.maximum(nmb - 1.0, 0.0)

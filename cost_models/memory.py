@@ -146,7 +146,9 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
     fsdp_applied = (table.dp_cp > 1) | (workload.dtype != "fp32")
     e = 4.0 if workload.dtype == "fp32" else 2.0
     fsdp_group = table.fsdp_size.astype(np.float64)
-    accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1)   # pipelining: no grad sync until last
+    # pipelining defers the gradient sync to the last micro-batch (workload pp_grad_sync: last_microbatch,
+    # torch.distributed.pipelining); every_microbatch reduce-scatters each one into the shard, as pp == 1 does
+    accumulate_unsharded = (table.pp > 1) & (table.n_microbatches > 1) & workload.pp_defers_grad_sync
     dense_p, expert_p, unit = rp[f"{which}_dense"], rp[f"{which}_expert"], rp[f"{which}_unit"]
     local = dense_p + expert_p
     shard_p = dense_p / fsdp_group + expert_p * expert_shard_fraction(table, model)

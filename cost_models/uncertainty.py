@@ -111,6 +111,14 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
                 a2a_overlap_runs(table, workload))
         add("MoE router weights " + ("at the combine" if workload.moe_keeps_expert_outputs
                                      else "in the experts' activation"), table.ep >= 1)
+    # the pipeline memory facts only where they depart from the layout's own runtime (the default's rows
+    # are the layout's)
+    piped = table.pp > 1
+    if workload.pp_keeps_sent != (workload.state_layout == "fsdp2"):
+        add("pipeline " + ("keeping" if workload.pp_keeps_sent else "freeing") + " the tensors it has sent, "
+            f"{workload.state_layout} state layout", piped)
+    if not workload.pp_defers_grad_sync:
+        add("FSDP gradients reduce-scattered every pipeline micro-batch", piped & (table.n_microbatches > 1))
     add(f"{workload.state_layout} state layout", np.ones(n, dtype=bool))
     add(f"hardware {hw.name}", np.ones(n, dtype=bool))
     return out

@@ -89,6 +89,21 @@ class Workload:
     megatron, ``per_node`` exactly when the model routes node-limited (``cost_models/moe_traffic.py``,
     ``sends_once_per_node``, which cites the kernels).
 
+    ``pp_sent_tensors`` is what the pipeline runtime does with the tensors a stage has sent: ``kept``
+    (torch.distributed.pipelining, what titan-run runs: a stage output stays in the stage's forward cache
+    until its backward, and the multi-stage schedules keep every P2P send's work -- with the sent
+    activation or input gradient -- until the end of the step) or ``freed`` (Megatron-core's
+    ``deallocate_output_tensor`` under ``deallocate_pipeline_outputs``, megatron/core/pipeline_parallel/
+    schedules.py: a sent output's data is freed and sends are waited per micro-batch; the Llama 3 paper,
+    arXiv:2407.21783 Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each
+    pipeline stage"); ``auto`` is ``kept`` for fsdp2 and ``freed`` for megatron.
+    ``pp_grad_sync`` is when the data-parallel gradient reduction runs under a pipeline (pp > 1):
+    ``last_microbatch`` (torch.distributed.pipelining defers FSDP's reduce-scatter to the last micro-batch,
+    so the fsdp2 layout accumulates unsharded fp32 gradients and keeps the parameters gathered; Megatron
+    reduces its gradient buffer once per step) or ``every_microbatch`` (FSDP reduce-scatters each
+    micro-batch's gradients into the shard, as without a pipeline: the Llama 3 paper, Sec. 3.3.2, "our use
+    of FSDP ... shards optimizer states and gradients"; fsdp2 layout only).
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -128,12 +143,18 @@ class Workload:
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
+    pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
+    pp_grad_sync: Literal["last_microbatch", "every_microbatch"] = "last_microbatch"   # pipeline: DP grad sync
 
     def __post_init__(self) -> None:
         check_fields(self, where="workload", error=SpecError)
         if self.grad_dtype != "fp32" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'grad_dtype' is {self.grad_dtype!r} with state_layout "
                             f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: fp32)")
+        if self.pp_grad_sync != "last_microbatch" and self.state_layout != "fsdp2":
+            raise SpecError(f"workload key 'pp_grad_sync' is {self.pp_grad_sync!r} with state_layout "
+                            f"{self.state_layout!r}: the megatron layout reduces its gradient buffer once per step "
+                            "(allowed: last_microbatch)")
         if self.selective_ac != "modules" and tuple(self.recompute_modules) != ("core_attn",):
             raise SpecError(f"workload key 'recompute_modules' is {list(self.recompute_modules)} with selective_ac "
                             f"{self.selective_ac!r}: the list is read only with selective_ac 'modules'")
@@ -162,6 +183,19 @@ class Workload:
         if self.moe_weighting != "auto":
             return self.moe_weighting == "combine"
         return self.state_layout == "fsdp2"
+
+    @property
+    def pp_keeps_sent(self) -> bool:
+        """``pp_sent_tensors`` with ``auto`` resolved by the state layout: True when the pipeline runtime
+        keeps the tensors a stage has sent (torch.distributed.pipelining), False when it frees them."""
+        if self.pp_sent_tensors != "auto":
+            return self.pp_sent_tensors == "kept"
+        return self.state_layout == "fsdp2"
+
+    @property
+    def pp_defers_grad_sync(self) -> bool:
+        """True when, under a pipeline, the gradient reduction waits for the last micro-batch."""
+        return self.pp_grad_sync == "last_microbatch"
 
     def norm_fused(self, compiled: bool) -> bool:
         """``norm_impl`` with ``auto`` resolved by compile: a compiled block's norm is fused."""

@@ -299,6 +299,10 @@ _OTHER_FRAMEWORKS = (
      "titan-run weights the expert outputs at the combine (auto or combine"),
     ("ep_dispatch", lambda wl: wl.ep_dispatch != "per_node",
      "titan-run sends every routed copy in one all-to-all (auto or every_copy"),
+    ("pp_sent_tensors", lambda wl: wl.pp_keeps_sent,
+     "titan-run's pipelining keeps the tensors a stage has sent (auto or kept"),
+    ("pp_grad_sync", lambda wl: wl.pp_defers_grad_sync,
+     "titan-run's pipelining reduce-scatters the gradients at the last micro-batch (last_microbatch"),
 )
 
 

@@ -31,7 +31,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
-                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch")
+                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_grad_sync")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -71,6 +71,13 @@ WORKLOAD_HELP = {
                    "megatron per_node with node-limited routing), every_copy (an all-to-all of every routed copy: "
                    "titan-run, TorchTitan, Megatron's alltoall dispatcher) or per_node (DeepEP / HybridEP, Megatron's "
                    "flex dispatcher: once per remote node, then over NVLink)",
+    "pp_sent_tensors": "what the pipeline runtime does with the tensors a stage has sent: auto (default: kept for "
+                       "fsdp2, freed for megatron), kept (torch.distributed.pipelining, titan-run: stage outputs "
+                       "cached, multi-stage schedules hold sends to the step's end) or freed (Megatron's "
+                       "deallocate_pipeline_outputs, the Llama 3 paper)",
+    "pp_grad_sync": "when FSDP reduce-scatters gradients under a pipeline: last_microbatch (default: torch's "
+                    "pipelining, unsharded fp32 gradients accumulated) or every_microbatch (each micro-batch into "
+                    "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 

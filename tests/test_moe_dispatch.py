@@ -120,16 +120,27 @@ BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h
         "--zero", "1", "--compile"]
 
 
-@pytest.mark.parametrize("key, value, default, term, lower, bad_flag, allowed", [
-    ("ep_a2a_overlap", "combined_1f1b", "none", ("time_s", "ep_comm"), True, "a2a", "combined_1f1b"),
-    ("moe_weighting", "combine", "auto", ("memory_gib", "activations"), False, "probs", "activation"),
-    ("ep_dispatch", "per_node", "auto", ("time_s", "ep_comm"), True, "deepep", "per_node"),
+# the pipeline memory keys (tests/test_pp_memory_keys.py) on the same layout, pipelined under the fsdp2 layout
+PP_FSDP2 = {"flags": ("--state-layout", "fsdp2", "--pp", "2", "--ep", "8", "--schedule", "Interleaved1F1B",
+                      "--stages-per-rank", "2"),
+            "plan": {"dp_shard": 8, "pp": 2, "ep": 8, "schedule": "Interleaved1F1B", "stages_per_rank": 2},
+            "workload": {"state_layout": "fsdp2"}}
+
+
+@pytest.mark.parametrize("key, value, default, term, lower, bad_flag, allowed, extra", [
+    ("ep_a2a_overlap", "combined_1f1b", "none", ("time_s", "ep_comm"), True, "a2a", "combined_1f1b", {}),
+    ("moe_weighting", "combine", "auto", ("memory_gib", "activations"), False, "probs", "activation", {}),
+    ("ep_dispatch", "per_node", "auto", ("time_s", "ep_comm"), True, "deepep", "per_node", {}),
+    ("pp_sent_tensors", "freed", "auto", ("memory_gib", "activations"), True, "free", "freed", PP_FSDP2),
+    ("pp_grad_sync", "every_microbatch", "last_microbatch", ("memory_gib", "grads"), True, "every",
+     "every_microbatch", PP_FSDP2),
 ])
 def test_moe_key_flag_plan_file_json_echo_and_bad_values(tmp_path, key, value, default, term, lower, bad_flag,
-                                                         allowed):
+                                                         allowed, extra):
     flag = "--" + key.replace("_", "-")
-    r0 = planner_cli(*BASE, "--json")
-    r = planner_cli(*BASE, flag, value, "--json")
+    base = [*BASE, *extra.get("flags", ())]
+    r0 = planner_cli(*base, "--json")
+    r = planner_cli(*base, flag, value, "--json")
     assert r0.returncode == 0 and r.returncode == 0, r.stderr
     d0, doc = json.loads(r0.stdout), json.loads(r.stdout)
     assert d0["workload"][key] == default and doc["workload"][key] == value
@@ -138,13 +149,14 @@ def test_moe_key_flag_plan_file_json_echo_and_bad_values(tmp_path, key, value, d
     assert (a < b) if lower else (a > b), (a, b)
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump({"model": "qwen3-30b-a3b", "hardware": "h100-sxm",
-                                 "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True},
+                                 "plan": {"dp_shard": 16, "ep": 16, "microbatch": 1, "ac": "none", "compile": True,
+                                          **extra.get("plan", {})},
                                  "workload": {"seq_len": 4096, "global_batch": 1024, "state_layout": "megatron",
-                                              "zero": 1, key: value}}))
+                                              "zero": 1, key: value, **extra.get("workload", {})}}))
     r2 = planner_cli("estimate", "--plan", str(f), "--json")
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
-    bad = planner_cli(*BASE, flag, bad_flag)             # argparse's choices: usage and the error
+    bad = planner_cli(*base, flag, bad_flag)             # argparse's choices: usage and the error
     assert bad.returncode == 2 and f"{flag}: invalid choice: '{bad_flag}'" in bad.stderr
     assert_plan_file_value_refused(tmp_path, key, "yes", allowed)
 

@@ -1,0 +1,154 @@
+"""The pipeline memory facts as workload keys: what the runtime does with the tensors a stage has sent
+(``pp_sent_tensors``: kept by torch.distributed.pipelining, freed by Megatron's deallocate_pipeline_outputs
+and the Llama 3 runtime) and when FSDP reduce-scatters the gradients under a pipeline (``pp_grad_sync``:
+at the last micro-batch, torch's pipelining, or every micro-batch, the Llama 3 paper's FSDP).  Each key's
+memory effect against a hand computation (exact bytes), its step-time effect, the auto resolution, the
+one-line errors, titan-run's refusal, the uncovered regime and the validator's llama3-meta rule.  The
+flag / plan-file / --json test is the parametrized one in tests/test_moe_dispatch.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cost_models.coefficients import Coefficients
+from cost_models.estimate import estimate
+from cost_models.layout import rank_params
+from cost_models.memory import memory_by_rank
+from cost_models.specs import SpecError, load_hardware, load_model
+from cost_models.step_time import step_time_breakdown
+from cost_models.workload import Workload
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
+from tests.cost_model_helpers import assert_titan_run_refuses, load_bench
+
+DEBUG = load_model("llama3-debug")          # dim 256, 4 layers, dense
+LLAMA70 = load_model("llama3-70b")
+H100 = load_hardware("h100-sxm")
+SEQ = 128
+
+
+def _wl(layout="fsdp2", **kw) -> Workload:
+    zero = {"zero": 1} if layout == "megatron" else {}
+    return Workload(seq_len=SEQ, global_batch=16, state_layout=layout, **zero, **kw)
+
+
+def _table(**kw) -> CandidateTable:
+    base = dict(dp_shard=2, pp=2, microbatch=1, n_microbatches=8, ac="none", runnable=False)
+    return CandidateTable.from_plans([Plan(**{**base, **kw})])
+
+
+def _mem(table, wl, model=DEBUG):
+    # no caching allocator: no fragmentation on top, so each term is the tensors' bytes alone
+    return memory_by_rank(table, model, wl, Coefficients(), caching_allocator=False)
+
+
+def test_freed_sends_drop_the_interleaved_send_buffers_exactly():
+    """Interleaved1F1B, pp 2, v 2, 8 micro-batches: torch's runtime keeps (2v - 1) x n_microbatches sent
+    residual-width tensors ([microbatch x seq, dim] bf16) to the end of the step on every rank."""
+    t = _table(schedule="Interleaved1F1B", stages_per_rank=2)
+    kept, freed = _mem(t, _wl(pp_sent_tensors="kept")), _mem(t, _wl(pp_sent_tensors="freed"))
+    sends = (2 * 2 - 1) * 8 * (2.0 * DEBUG.dim * 1 * SEQ)         # 3 x 8 x 64 KiB = 1.5 MiB
+    for rank in kept:
+        assert kept[rank]["activations"][0] - freed[rank]["activations"][0] == sends, rank
+        for k in ("params", "grads", "optimizer", "fsdp_buffers", "logits", "overhead"):
+            assert kept[rank][k][0] == freed[rank][k][0], (rank, k)
+    assert _mem(t, _wl())["first"]["activations"][0] == kept["first"]["activations"][0]      # auto, fsdp2: kept
+
+
+def test_freed_sends_drop_the_1f1b_stage_outputs_exactly():
+    """1F1B, pp 2: each in-flight micro-batch's stage output stays in the forward cache of the first stage
+    (2 in flight on rank 0 of 2); the loss stage sends none (its output is the logits)."""
+    t = _table(schedule="1F1B")
+    kept, freed = _mem(t, _wl()), _mem(t, _wl(pp_sent_tensors="freed"))
+    assert kept["first"]["activations"][0] - freed["first"]["activations"][0] == 2 * (2.0 * DEBUG.dim * SEQ)
+    assert kept["last"]["activations"][0] == freed["last"]["activations"][0]
+
+
+def test_megatron_kept_sends_cost_what_torch_keeps():
+    t = _table(schedule="Interleaved1F1B", stages_per_rank=2)
+    m_auto, m_kept = _mem(t, _wl("megatron")), _mem(t, _wl("megatron", pp_sent_tensors="kept"))
+    f_kept, f_freed = _mem(t, _wl(pp_sent_tensors="kept")), _mem(t, _wl(pp_sent_tensors="freed"))
+    assert m_auto["first"]["activations"][0] == _mem(t, _wl("megatron", pp_sent_tensors="freed"))["first"][
+        "activations"][0]
+    assert (m_kept["first"]["activations"][0] - m_auto["first"]["activations"][0]
+            == f_kept["first"]["activations"][0] - f_freed["first"]["activations"][0] > 0)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_every_microbatch_grad_sync_shards_the_gradients_exactly(reshard):
+    """fsdp2, pp 2, FSDP 2, 8 micro-batches: deferred, each rank accumulates its stage's fp32 gradients
+    unsharded (4 B x local parameters); reduce-scattered every micro-batch, it holds its shard (/ 2)."""
+    t = _table(schedule="1F1B", reshard_after_forward=reshard)
+    rp = rank_params(t, DEBUG)
+    last, every = _mem(t, _wl()), _mem(t, _wl(pp_grad_sync="every_microbatch"))
+    for rank in ("first", "last"):
+        local = float(rp[f"{rank}_dense"][0])
+        assert last[rank]["grads"][0] == 4.0 * local
+        assert every[rank]["grads"][0] == 4.0 * local / 2
+        assert every[rank]["params"][0] == last[rank]["params"][0] == 4.0 * local / 2
+        assert every[rank]["optimizer"][0] == last[rank]["optimizer"][0]
+    # no pipeline: the gradients are reduce-scattered every micro-batch either way
+    t1 = _table(pp=1, dp_shard=4)
+    a, b = _mem(t1, _wl()), _mem(t1, _wl(pp_grad_sync="every_microbatch"))
+    assert a["first"]["grads"][0] == b["first"]["grads"][0] == 4.0 * float(rank_params(t1, DEBUG)["first_dense"][0]) / 4
+
+
+def test_every_microbatch_grad_sync_pays_a_gradient_pass_per_microbatch():
+    """llama3-70b on 64 H100 nodes (TP 8, PP 4, FSDP 16 across nodes, 64 micro-batches of 2,048 tokens): the
+    data-parallel time grows with the reduce-scatters of every micro-batch (more than the block's compute can
+    hide), the unsharded accumulation pass shrinks to the shard's, and without a pipeline nothing changes."""
+    wl = Workload(seq_len=2048, global_batch=1024)
+    every = dataclasses.replace(wl, pp_grad_sync="every_microbatch")
+    for reshard in (True, False):
+        t = CandidateTable.from_plans([Plan(dp_shard=16, tp=8, pp=4, microbatch=1, n_microbatches=64,
+                                            schedule="Interleaved1F1B", stages_per_rank=2, ac="none",
+                                            reshard_after_forward=reshard, runnable=False)])
+        a = step_time_breakdown(t, LLAMA70, H100, wl, Coefficients())
+        b = step_time_breakdown(t, LLAMA70, H100, every, Coefficients())
+        assert b["dp_comm"][0] > a["dp_comm"][0] > 0, reshard
+        assert b["other"][0] < a["other"][0]
+        assert b["compute"][0] == a["compute"][0]
+    t1 = CandidateTable.from_plans([Plan(dp_shard=64, tp=8, microbatch=1, n_microbatches=16, ac="full",
+                                         runnable=False)])
+    a1 = step_time_breakdown(t1, LLAMA70, H100, wl, Coefficients())
+    b1 = step_time_breakdown(t1, LLAMA70, H100, every, Coefficients())
+    assert all(a1[k][0] == b1[k][0] for k in a1)
+
+
+def test_auto_resolution_and_one_line_errors():
+    assert _wl().pp_sent_tensors == "auto" and _wl().pp_keeps_sent
+    assert not _wl("megatron").pp_keeps_sent
+    assert _wl("megatron", pp_sent_tensors="kept").pp_keeps_sent and not _wl(pp_sent_tensors="freed").pp_keeps_sent
+    assert _wl().pp_grad_sync == "last_microbatch" and _wl().pp_defers_grad_sync
+    assert not _wl(pp_grad_sync="every_microbatch").pp_defers_grad_sync
+    with pytest.raises(SpecError, match="pp_sent_tensors.*auto, kept, freed; got 'dropped'"):
+        _wl(pp_sent_tensors="dropped")
+    with pytest.raises(SpecError) as ei:
+        _wl("megatron", pp_grad_sync="every_microbatch")
+    msg = str(ei.value)
+    assert "\n" not in msg and "'pp_grad_sync' is 'every_microbatch'" in msg and "allowed: last_microbatch" in msg
+
+
+def test_titan_run_refuses_what_it_does_not_run(tmp_path):
+    assert_titan_run_refuses(tmp_path, "pp_sent_tensors", "freed", ["auto", "kept"])
+    assert_titan_run_refuses(tmp_path, "pp_grad_sync", "every_microbatch", ["last_microbatch"])
+
+
+def test_a_departure_from_the_layouts_runtime_is_an_uncovered_regime():
+    t = _table(schedule="Interleaved1F1B", stages_per_rank=2)
+    base = estimate(t, DEBUG, H100, _wl()).row(0)["uncovered"]
+    both = estimate(t, DEBUG, H100, _wl(pp_sent_tensors="freed", pp_grad_sync="every_microbatch")).row(0)["uncovered"]
+    new = set(both) - set(base)
+    assert new == {"pipeline freeing the tensors it has sent, fsdp2 state layout",
+                   "FSDP gradients reduce-scattered every pipeline micro-batch"}, new
+
+
+def test_validator_applies_the_llama3_papers_stated_deallocations():
+    V = load_bench("validate_reference")
+    rows = {r["id"]: r for r in V.load_extra_rows()}
+    rid = "llama3paper_t4_405B_8192gpu_seq8k"
+    if rid not in rows:
+        pytest.skip("llama3 paper rows not in bench/reference_extra.yaml")
+    wl = V.build_case(rows[rid]).workload
+    assert (wl.pp_sent_tensors, wl.pp_grad_sync) == ("freed", "every_microbatch")
