@@ -71,7 +71,9 @@ framework):
   interleaved schedule with V pipeline stages on one pipeline rank"), V one layer per chunk (removing
   one layer from the first stage leaves its first chunk "only the embedding"): V = (L + 2) / PP,
   capped at L // PP, the most a plan splits (405B, PP 16: 8 -> 7); tp_activations = sharded (its TP
-  cites Korthikanti et al., whose sequence parallelism keeps the sequence shard, Sec. 4.2.2).
+  cites Korthikanti et al., whose sequence parallelism keeps the sequence shard, Sec. 4.2.2);
+  pp_sent_tensors = freed ("we proactively deallocate ... the input and output tensors of each pipeline
+  stage") and pp_grad_sync = every_microbatch ("our use of FSDP ... shards optimizer states and gradients").
 * gradient dtype and loss kernel, by framework (Workload.grad_dtype / loss_impl):
   - nemo and mbridge: bf16 main gradients and the fused cross-entropy.  NeMo 1.0 configs (24.07 era):
     `optim: distributed_fused_adam` with `grad_sync_dtype: bf16` and `cross_entropy_loss_fusion: true`
@@ -345,6 +347,9 @@ def build_case(row) -> Case:
         # the paper's TP is Korthikanti et al.'s (cited in Sec. 3.3.2), which keeps the sequence shard of
         # each all-gathered input (Sec. 4.2.2), not DTensor's gathered copy
         kw["tp_activations"] = "sharded"
+        # Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each pipeline stage", and
+        # "our use of FSDP ... shards optimizer states and gradients" (each micro-batch's, under the pipeline)
+        kw.update(pp_sent_tensors="freed", pp_grad_sync="every_microbatch")
     workload = Workload(seq_len=seq, global_batch=gb, **kw)
     flags = dict(fw.coefficients)
     if source == "megatron":

@@ -38,7 +38,8 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     reduce-scatter to the last micro-batch and keeps parameters gathered (torch.distributed.
     pipelining), so one all-gather pass and one reduce-scatter pass per step (plus a backward
     all-gather per micro-batch when reshard_after_forward); with workload ``pp_grad_sync:
-    every_microbatch`` (the Llama 3 paper's FSDP) every micro-batch syncs, as without pipelining.
+    every_microbatch`` (the Llama 3 paper's FSDP) every micro-batch reduce-scatters its gradients,
+    under its forward and backward compute in the pipeline's steady state.
     Dense blocks shard over dp_shard*cp, experts over dp_shard*cp/ep.
     megatron: the distributed optimizer (zero >= 1, ZeRO-1) reduce-scatters the main gradients
     (fp32 in Megatron-LM; bf16 with grad_dtype bf16, NeMo / Megatron-Bridge recipes) and
@@ -57,7 +58,7 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
 def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict,
                          defer_grad_sync: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """`data_parallel` for the fsdp2 layout (FSDP2 / HSDP, per-block collectives); `defer_grad_sync`:
-    workload ``pp_grad_sync`` is ``last_microbatch`` (else every pipeline micro-batch syncs as pp == 1's)."""
+    workload ``pp_grad_sync`` is ``last_microbatch`` (else every pipeline micro-batch reduce-scatters)."""
     rp = facts["rp"]
     nmb = table.n_microbatches.astype(np.float64)
     nblocks = np.asarray(facts["nblocks"]).astype(np.float64)
