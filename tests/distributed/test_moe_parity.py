@@ -84,6 +84,12 @@ def test_dp_x_tp_x_ep(noaux):
 
 
 @pytest.mark.slow
+def test_dp_x_tp_x_ep_compiled(noaux):
+    # compiled MoE blocks: the attention's TP boundaries traced into the graph (erased), the EP all-to-alls typed
+    matches_single_process(Plan(dp_shard=2, tp=2, ep=2, microbatch=2, compile=True), model=noaux)
+
+
+@pytest.mark.slow
 def test_cp_x_ep_with_grad_accumulation(noaux):
     matches_single_process(Plan(cp=2, ep=2, microbatch=2, n_microbatches=2), model=noaux)
 
