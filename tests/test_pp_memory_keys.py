@@ -12,11 +12,15 @@ import dataclasses
 import pytest
 
 from cost_models.coefficients import Coefficients
+from cost_models.comm import axis_links, ring_gather_time
+from cost_models.compute import Rates
+from cost_models.data_parallel import data_parallel
 from cost_models.estimate import estimate
-from cost_models.layout import rank_params
+from cost_models.flops import param_counts
+from cost_models.layout import layers_per_rank, rank_params
 from cost_models.memory import memory_by_rank
 from cost_models.specs import SpecError, load_hardware, load_model
-from cost_models.step_time import step_time_breakdown
+from cost_models.step_time import stage_times, step_time_breakdown
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
@@ -152,3 +156,28 @@ def test_validator_applies_the_llama3_papers_stated_deallocations():
         pytest.skip("llama3 paper rows not in bench/reference_extra.yaml")
     wl = V.build_case(rows[rid]).workload
     assert (wl.pp_sent_tensors, wl.pp_grad_sync) == ("freed", "every_microbatch")
+
+
+def test_every_microbatch_reduce_scatters_against_a_hand_computation():
+    """llama3-8b, FSDP 8 x PP 3 (1F1B, 8 micro-batches, no reshard after forward), overlap off: each of the 7
+    micro-batches before the last adds one reduce-scatter of the busiest rank's 11 blocks (the last rank holds
+    10) and of the last rank's root (LM head and final norm), each a ring over the 8 FSDP ranks in fp32."""
+    model = load_model("llama3-8b")
+    wl = Workload(seq_len=4096, global_batch=64)
+    coeffs = Coefficients(dp_overlap=0.0)
+    t = CandidateTable.from_plans([Plan(dp_shard=8, pp=3, microbatch=1, n_microbatches=8, schedule="1F1B",
+                                        ac="full", reshard_after_forward=False, runnable=False)])
+    rp = rank_params(t, model)
+    assert rp["last_layers"][0][0] == 10 and layers_per_rank(t, model)[0] == 11
+    r = Rates(H100, wl, coeffs)
+    links = axis_links(t, H100, coeffs)
+    st = stage_times(t, model, H100, wl, coeffs, links, r)
+    last, _ = data_parallel(t, model, H100, wl, coeffs, links, r, st)
+    every, _ = data_parallel(t, model, H100, dataclasses.replace(wl, pp_grad_sync="every_microbatch"), coeffs,
+                             links, r, st)
+    pc = param_counts(model)
+    block, root = pc["dense_layer"], pc["lm_head"] + pc["final_norm"]
+    fs = links["fsdp"]
+    rs = float(ring_gather_time(8, 4.0 * block, fs.bw, fs.alpha)[0])
+    rs_root = float(ring_gather_time(8, 4.0 * root, fs.bw, fs.alpha)[0])
+    assert float(every[0] - last[0]) == pytest.approx(7 * (11 * rs + rs_root), rel=1e-9)
