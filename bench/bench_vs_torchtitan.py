@@ -58,6 +58,24 @@ work: matmul and SDPA self time are the same on both sides (FSDP 2: mm 370 / 336
 ms per step in one profiled pair), and what is left differs mostly in FSDP2's own all-gather /
 reduce-scatter waits, the same library on both sides.
 
+RMSNorm as an autograd Function (``layers.RMSNormFunction``, f0ca973: keeps its input and rstd, backward by
+hand), measured 2026-12-02 01:52-02:02 on a loaded machine (load1 1.6-7.3, the rest of the machine 0.0-1.2
+cores, median 0.72: wall ratios swing 0.6-2.0x between rounds, so only the steadier figures are read),
+TorchTitan spmd_types / ours before / ours after, medians of 3 alternating rounds: CPU ms per step FSDP 2
+666 / 650 / 651, TP 2 489 / 436 / 406; CPU-work ratio TT/ours before -> after: FSDP 2 1.025 -> 1.023, TP 2
+1.097 -> 1.114; the one quiet round (TP 2, the rest 0.00 cores) 957 / 1,039 / 1,079 tok/s/rank, after/TT
+1.127x (before 1.086x).  Load-free figures of the change itself: one norm fwd+bwd at 2 x 512 x 256 fp32,
+one thread, 2.44 -> 1.86 ms; the bench's model fwd+bwd in one process, 30 alternating steps with the
+same weights: CPU ms min 488 vs 499, lower quartile 505 vs 518 (-2.5%), median 524 vs 528.
+Per-step profile (rank 0, FSDP 2, counts exact, times under load): aten ops TT 6,028 / ours 6,204, copies
+and casts 1,094 / 1,162, mm calls 114 / 129 -- TorchTitan 0.3.0 projects q, k, v with one fused matmul
+(and chunks the loss in 8), but on this CPU a fused [1024, 256] x [256, 768] fwd+bwd is no faster than
+three [1024, 256] x [256, 256] (10.3-12.8 vs 9.3-9.6 ms, one thread): not a saving to copy.  gloo's
+reduce-scatter is a clone + a full all-reduce + a chunk copy (ProcessGroupGloo::reduce_scatter_tensor_
+coalesced); at one block's 3 MB on 2 ranks an in-place all-reduce + chunk copy takes 6.41 ms vs 6.30, the
+list reduce_scatter 11.1 ms: no saving there either.  What is left between the sides is FSDP2's own
+collective waits (the same library) and load.
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
