@@ -8,6 +8,7 @@ from typing import Any
 from cost_models.estimate import Estimates
 from cost_models.memory import MEMORY_KEYS
 from cost_models.step_time import TIME_KEYS
+from cost_models.uncertainty import uncovered_at
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 
@@ -32,6 +33,8 @@ def predicted(est: Estimates, i: int) -> dict[str, Any]:
         "time_s": {k: round(float(est.time[k][i]), 6) for k in TIME_KEYS if k in est.time},
         "step_time_p90_s": round(float(est.step_time_p90_s[i]), 6),          # conservative bounds
         "peak_memory_p90_gib": round(float(est.peak_memory_p90_bytes[i]) / GiB, 3),
+        # the terms and regimes this candidate leans on that no published run validates (cost_models/uncertainty.py)
+        "not_validated": uncovered_at(est.uncovered, i),
     }
 
 
@@ -77,6 +80,10 @@ def format_breakdown(est: Estimates, i: int) -> str:
     lines.append(f"  {'step':<13}{est.step_time_s[i]:10.4f}")
     lines.append(f"conservative (p90) bounds: step {est.step_time_p90_s[i]:.4f} s, "
                  f"peak {est.peak_memory_p90_bytes[i] / GiB:.3f} GiB")
+    gaps = uncovered_at(est.uncovered, i)
+    lines.append("validation: " + ("every term and regime it leans on is covered by published runs" if not gaps else
+                                   "no published run covers " + "; ".join(gaps)
+                                   + " (the p90 bounds were not measured there)"))
     lines.append(f"throughput: {est.tokens_per_s[i]:,.0f} tokens/s, {est.tokens_per_s_per_gpu[i]:,.1f} per device, "
                  f"MFU {100 * est.mfu[i]:.1f}%")
     return "\n".join(lines)

@@ -124,3 +124,21 @@ def test_shipped_bands_cover_the_published_runs():
         measured_step = c.workload.global_batch_tokens / (c.measured["tokens_per_s_per_gpu"] * c.plan.world_size)
         below.append(measured_step <= e.step_time_p90_s[0] * (1 + 1e-9))
     assert len(below) >= 30 and np.mean(below) >= 0.8, np.mean(below)
+
+
+def test_the_estimate_report_and_its_json_say_what_no_published_run_covers(tmp_path):
+    """The uncovered terms and regimes reach the user: one 'validation:' line in the breakdown, and the list in
+    --json's predicted block (the plan file's too); a covered candidate says so."""
+    import json
+    from tests.cost_model_helpers import planner_cli
+    common = ("estimate", "--model", "llama3-8b", "--gpus", "64", "--hardware", "h100-sxm", "--seq-len", "8192",
+              "--global-batch", "128", "--tp", "1", "--pp", "4", "--dp-shard", "16", "--ac", "none")
+    dual = planner_cli(*common, "--schedule", "DualPipeV")
+    assert dual.returncode == 0, dual.stderr
+    lines = [x for x in dual.stdout.splitlines() if x.startswith("validation: ")]
+    assert lines == ["validation: no published run covers DualPipeV on a dense model (the p90 bounds were not "
+                     "measured there)"], dual.stdout
+    doc = json.loads(planner_cli(*common, "--schedule", "DualPipeV", "--json").stdout)
+    assert doc["predicted"]["not_validated"] == ["DualPipeV on a dense model"]
+    plain = planner_cli(*common, "--schedule", "1F1B")
+    assert "validation: every term and regime it leans on is covered by published runs" in plain.stdout, plain.stdout
