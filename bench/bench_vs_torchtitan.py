@@ -64,7 +64,12 @@ cores, median 0.72: wall ratios swing 0.6-2.0x between rounds, so only the stead
 TorchTitan spmd_types / ours before / ours after, medians of 3 alternating rounds: CPU ms per step FSDP 2
 666 / 650 / 651, TP 2 489 / 436 / 406; CPU-work ratio TT/ours before -> after: FSDP 2 1.025 -> 1.023, TP 2
 1.097 -> 1.114; the one quiet round (TP 2, the rest 0.00 cores) 957 / 1,039 / 1,079 tok/s/rank, after/TT
-1.127x (before 1.086x).  Load-free figures of the change itself: one norm fwd+bwd at 2 x 512 x 256 fp32,
+1.127x (before 1.086x).  Again 02:03-02:11, mostly quiet (the rest of the machine 0.02 cores median, 0.8
+at most; TP 2 round 2 loaded), TT / before / after: FSDP 2 1,291 / 1,636 / 1,662 tok/s/rank, after/TT
+1.194x (rounds 1.194, 1.093, 1.430; before 1.162x), fast quartile 1.156x (before 1.134x), CPU ms per step
+661 / 584 / 577 (CPU-work ratio 1.072 -> 1.109); TP 2 934 / 1,024 / 1,027, after/TT 1.050x (1.222, 0.898,
+1.050; before 1.047x), fast quartile 1.054x (1.046x), CPU ms 450 / 422 / 412 (1.054 -> 1.080).  Load-free
+figures of the change itself: one norm fwd+bwd at 2 x 512 x 256 fp32,
 one thread, 2.44 -> 1.86 ms; the bench's model fwd+bwd in one process, 30 alternating steps with the
 same weights: CPU ms min 488 vs 499, lower quartile 505 vs 518 (-2.5%), median 524 vs 528.
 Per-step profile (rank 0, FSDP 2, counts exact, times under load): aten ops TT 6,028 / ours 6,204, copies
