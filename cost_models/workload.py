@@ -61,7 +61,8 @@ class Workload:
     ``norm_impl`` is the norm kernel: ``eager`` (PyTorch ops: the fp32 upcast and the normalized
     output are kept, 3x the bf16 width in bf16) or ``fused`` (one kernel keeping its input and a
     per-token rstd: Apex/TE, Triton -- e.g. TorchTitan's ``norm_type = "fused_rmsnorm"`` of 2024 --
-    or a compiled block); ``auto`` is fused exactly when the plan compiles.
+    or a compiled block); ``auto`` is fused when the plan compiles, else titan-run's own eager norm
+    (an autograd Function keeping its input and the per-token fp32 rstd, executor/models/layers.py).
 
     ``ep_a2a_overlap`` is whether the MoE dispatch and combine all-to-alls run under compute:
     ``none`` (this executor, and Megatron by default: each all-to-all sits on the critical path) or
