@@ -23,7 +23,13 @@ device), 1.053x (22:48, load 1.7 before and after, the quietest: spmd_types 1,75
 collectives per step on both (15 all-to-alls -- 3 count exchanges, 6 dispatch/combine forward, 6 backward
 --, 10 all-gathers, 5 reduce-scatters, 11 all-reduces), the same aten op counts within 1% (24,823 /
 24,601 events), and the same CPU work: 0.558 / 0.564 s per step on rank 0 (0.541 / 0.536 on rank 1),
-paired step-time ratio 1.034 (20 pairs).  Without TP the MoE step is plain local tensors on both backends
+paired step-time ratio 1.034 (20 pairs).
+
+tp2_compile after the erased TP boundaries (spmd_tensor_parallel.ERASED_OPS: one graph per block, no graph
+break), 2026-12-02: 0.907x (02:21, load 3.9 -> 2.0; dtensor ahead in 5 of 5 rounds, spmd_types 1,682-1,781,
+dtensor 1,744-1,898 tokens/s), and the same plan with the typed eager islands instead, 0.917x (02:24, load
+1.7 -> 1.8): the graph breaks are not the gap here; cp2xtp2_compile 0.993x (02:14-02:21).  A first
+tp2_compile 1.261x (01:27) was measured while two other jobs loaded the machine (load 4.4 after): soft.  Without TP the MoE step is plain local tensors on both backends
 (the dtensor path's only DTensors are the experts' weights, ``to_local`` per forward), so parity is what
 this row can show; the gains are on TP.
 """
