@@ -37,9 +37,10 @@ _MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention"}
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("titan-run", "this executor (the defaults)"),
     Framework("torchtitan", "TorchTitan (FSDP2, DTensor TP, torch.distributed.pipelining)",
-              {"selective_ac": "op"},
+              {"selective_ac": "op", "norm_impl": "composite"},
               why="selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
-                  "every other matmul output kept)"),
+                  "every other matmul output kept); its norms are PyTorch's nn.RMSNorm (eager ops, fused by "
+                  "Inductor when compiled)"),
     Framework("composer", "MosaicML Composer / llm-foundry (PyTorch FSDP)",
               {"selective_ac": "op", "loss_impl": "fused"},
               why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy)"),

@@ -62,7 +62,9 @@ class Workload:
     output are kept, 3x the bf16 width in bf16) or ``fused`` (one kernel keeping its input and a
     per-token rstd: Apex/TE, Triton -- e.g. TorchTitan's ``norm_type = "fused_rmsnorm"`` of 2024 --
     or a compiled block); ``auto`` is fused when the plan compiles, else titan-run's own eager norm
-    (an autograd Function keeping its input and the per-token fp32 rstd, executor/models/layers.py).
+    (an autograd Function keeping its input and the per-token fp32 rstd, executor/models/layers.py);
+    ``composite`` is PyTorch's ``nn.RMSNorm`` / ``nn.LayerNorm`` as TorchTitan runs them: fused by
+    Inductor when the plan compiles, else ``eager``.
 
     ``ep_a2a_overlap`` is whether the MoE dispatch and combine all-to-alls run under compute:
     ``none`` (this executor, and Megatron by default: each all-to-all sits on the critical path) or
@@ -140,7 +142,7 @@ class Workload:
     ep_a2a_overlap: Literal["none", "combined_1f1b"] = "none"   # MoE all-to-alls under the other micro-batch
     moe_weighting: Literal["auto", "combine", "activation"] = "auto"   # where router weights multiply
     ep_dispatch: Literal["auto", "every_copy", "per_node"] = "auto"   # how EP tokens cross nodes
-    norm_impl: Literal["auto", "eager", "fused"] = "auto"     # the RMSNorm/LayerNorm kernel
+    norm_impl: Literal["auto", "eager", "fused", "composite"] = "auto"     # the RMSNorm/LayerNorm kernel
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
@@ -199,8 +201,8 @@ class Workload:
         return self.pp_grad_sync == "last_microbatch"
 
     def norm_fused(self, compiled: bool) -> bool:
-        """``norm_impl`` with ``auto`` resolved by compile: a compiled block's norm is fused."""
-        return compiled if self.norm_impl == "auto" else self.norm_impl == "fused"
+        """``norm_impl`` with ``auto`` / ``composite`` resolved by compile: a compiled block's norm is fused."""
+        return compiled if self.norm_impl in ("auto", "composite") else self.norm_impl == "fused"
 
     def recomputes(self, module: str) -> bool:
         """True when ``ac: selective`` under ``selective_ac: modules`` recomputes `module`."""

@@ -52,8 +52,9 @@ WORKLOAD_HELP = {
                       "sequence shard, all-gathered again in backward; titan-run runs it on spmd_types, eager, "
                       "ac none or full)",
     "norm_impl": "norm kernel: auto (default: fused when compiled, else titan-run's eager norm, keeping its input "
-                 "and the fp32 rstd), eager (PyTorch's composite: keeps the fp32 upcast and the normalized output) "
-                 "or fused (one kernel keeping its input: Apex/TE/Triton)",
+                 "and the fp32 rstd), eager (PyTorch's composite: keeps the fp32 upcast and the normalized output), "
+                 "fused (one kernel keeping its input: Apex/TE/Triton) or composite (PyTorch's nn.RMSNorm as "
+                 "TorchTitan runs it: fused when compiled, else eager)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "

@@ -179,6 +179,11 @@ def test_norm_impl_fused_keeps_the_input_only():
     assert auto[SEQ] - fused[SEQ] == 2 * 4.0
     assert np.array_equal(layer_activation_terms(m, Workload(**kw), False, "none", True), layer_activation_terms(
         m, Workload(norm_impl="fused", **kw), False, "none", True))                 # auto: fused when compiled
+    # composite (PyTorch's nn.RMSNorm, TorchTitan's): eager's bytes uncompiled, fused's compiled
+    for compiled, same in ((False, eager), (True, layer_activation_terms(m, Workload(norm_impl="fused", **kw),
+                                                                         False, "none", True))):
+        assert np.array_equal(layer_activation_terms(m, Workload(norm_impl="composite", **kw), False, "none",
+                                                     compiled), same)
     plan = Plan(dp_shard=8, microbatch=2, n_microbatches=1, ac="none", runnable=False)
     e = _estimate([plan], m, Workload(norm_impl="eager", **kw))
     f = _estimate([plan], m, Workload(norm_impl="fused", **kw))
