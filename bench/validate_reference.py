@@ -320,10 +320,10 @@ def build_case(row) -> Case:
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
     zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
     compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
-    # a stated norm kernel (TorchTitan's norm_type); unstated: fused exactly when compiled, else eager (PyTorch's
-    # composite; norm_impl auto would be titan-run's own eager norm)
+    # a stated norm kernel (TorchTitan's norm_type); unstated: PyTorch's composite, fused exactly when compiled
+    # (norm_impl auto would be titan-run's own eager norm)
     norm_text = str(par.get("norm_type", "")).lower()
-    norm = "fused" if norm_text.startswith("fused") or (not norm_text and compile_) else "eager"
+    norm = "fused" if norm_text.startswith("fused") else "eager" if norm_text else "composite"
     # BLOOM runs before DeepSpeed's BF16 optimizer: fp16, gradients accumulated in 16 bits by autograd
     prec = str(par.get("precision", "")).lower()
     fp16_ds = source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16"))

@@ -29,6 +29,9 @@ values, so a column-wise linear computes exactly what one process does with the 
 """
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,21 +39,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from .spmd_tensor_parallel import ALL_GATHER, COLWISE, REPLICATE, ROOT_SHARDING, ROWWISE, ModuleSharding, _block_table
 
 
-def _float8_api():
-    # optional package (the float8 extra): only float8 plans reach this module
+@functools.cache
+def _float8_api() -> SimpleNamespace:
+    """torchao's float8 pieces, imported once (optional package, the float8 extra: only float8 plans reach here)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import tensor_to_scale
-    return (ScalingGranularity, ScalingType, Float8Linear, matmul_with_hp_or_float8_args, GemmInputRole,
-            hp_tensor_and_scale_to_float8, tensor_to_scale)
+    return SimpleNamespace(ScalingGranularity=ScalingGranularity, ScalingType=ScalingType, Float8Linear=Float8Linear,
+                           matmul=matmul_with_hp_or_float8_args, GemmInputRole=GemmInputRole,
+                           to_float8=hp_tensor_and_scale_to_float8, tensor_to_scale=tensor_to_scale)
 
 
 def _cast(x: torch.Tensor, dtype, mm_config, role, mesh: DeviceMesh):
     """`x` as a float8 tensor on the grid of its tp-global amax (differentiable: the gradient passes)."""
-    *_, GemmInputRole, to_float8, tensor_to_scale = _float8_api()
-    scale = tensor_to_scale(x, dtype, reduce_amax=True, device_mesh=mesh)
-    return to_float8(x, scale, dtype, mm_config, role)
+    ao = _float8_api()
+    scale = ao.tensor_to_scale(x, dtype, reduce_amax=True, device_mesh=mesh)
+    return ao.to_float8(x, scale, dtype, mm_config, role)
 
 
 class _GradToFloat8(torch.autograd.Function):
@@ -63,13 +68,14 @@ class _GradToFloat8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        GemmInputRole = _float8_api()[4]
-        return _cast(grad, ctx.dtype, ctx.mm_config, GemmInputRole.GRAD_OUTPUT, ctx.mesh), None, None, None
+        role = _float8_api().GemmInputRole.GRAD_OUTPUT
+        return _cast(grad, ctx.dtype, ctx.mm_config, role, ctx.mesh), None, None, None
 
 
 def _tp_forward(self, input: torch.Tensor) -> torch.Tensor:
     """Float8Linear.forward with the tp-sharded operands cast on their global amax (module docstring)."""
-    _, _, _, matmul, GemmInputRole, _, _ = _float8_api()
+    ao = _float8_api()
+    matmul, GemmInputRole = ao.matmul, ao.GemmInputRole
     c, mesh = self.config, self._spmd_tp_mesh
     x = input
     if self._spmd_reduce_input:
@@ -86,7 +92,8 @@ def _tp_forward(self, input: torch.Tensor) -> torch.Tensor:
 
 
 def _check_config(mod, path: str) -> None:
-    ScalingGranularity, ScalingType = _float8_api()[:2]
+    ao = _float8_api()
+    ScalingGranularity, ScalingType = ao.ScalingGranularity, ao.ScalingType
     c = mod.config
     casts = (c.cast_config_input, c.cast_config_weight, c.cast_config_grad_output,
              c.cast_config_input_for_grad_weight, c.cast_config_weight_for_grad_input,
@@ -114,7 +121,7 @@ def apply_spmd_float8_tp(model: nn.Module, tp_mesh: DeviceMesh) -> int:
 
     Run after ``convert_to_float8_training`` and ``apply_spmd_tp`` (the weights are local shards), with
     the same tables (``spmd_tensor_parallel.ROOT_SHARDING`` and each block's)."""
-    Float8Linear = _float8_api()[2]
+    Float8Linear = _float8_api().Float8Linear
     tables = {name: _block_table(block) for name, block in model.layers.items()}
     done = 0
     for path, mod in model.named_modules():
