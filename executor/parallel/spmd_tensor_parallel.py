@@ -65,6 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import spmd_types as spmd
 
 from ..comm_timer import all_gather_flat
+from .seq_collectives import GatherSeq, ScatterSeq
 
 # spmd_types 0.3 calls funcol.all_gather_tensor / reduce_scatter_tensor, deprecated in torch 2.14: once per
 # collective and process otherwise, on every rank (the call may come through comm_timer's wrapper)
@@ -172,6 +173,8 @@ class _TP:
         self.axis = spmd.MeshAxis.of(self.group)
         self.rank = mesh.get_local_rank()
         self.size = mesh.size()
+        # gloo: the SP boundaries run as direct point-to-point exchanges while the checker is off (P2P_OPS)
+        self.p2p = dist.get_backend(self.group) == "gloo"
 
 
 def _local_param(p: nn.Parameter, kind: str, tp: _TP) -> nn.Parameter:
@@ -209,6 +212,29 @@ def _gather_seq_erased(x: torch.Tensor, tp: _TP) -> torch.Tensor:
 
 def _scatter_seq_erased(x: torch.Tensor, tp: _TP) -> torch.Tensor:
     return funcol.reduce_scatter_single(x, "sum", SEQ_DIM, tp.group)
+
+
+def _gather_seq_p2p(x: torch.Tensor, tp: _TP) -> torch.Tensor:
+    return GatherSeq.apply(x, tp.group, tp.rank, tp.size)
+
+
+def _scatter_seq_p2p(x: torch.Tensor, tp: _TP) -> torch.Tensor:
+    return ScatterSeq.apply(x, tp.group, tp.rank, tp.size)
+
+
+# the same collectives on gloo in erasure mode, as point-to-point exchanges (seq_collectives.py: half the bytes of
+# gloo's reduce-scatter, one copy less per all-gather; measured at [2, 512, 256] fp32 on 2 ranks, medians of 55:
+# reduce-scatter 1.68 -> 0.67 ms, all-gather 1.18 -> 0.66 ms); same values (exact on 2 ranks)
+P2P_OPS = {ALL_GATHER: _gather_seq_p2p, REDUCE_SCATTER: _scatter_seq_p2p}
+
+
+def _p2p_unless_checking(name: str, typed, tp: _TP):
+    """Boundary `name`: the typed collective `typed` under the checker (``train.spmd_typecheck``), else on gloo
+    its :data:`P2P_OPS` twin (in erasure mode the typed collective is just that collective)."""
+    fast = P2P_OPS.get(name) if tp.p2p else None
+    if fast is None:
+        return typed
+    return lambda x, tp: typed(x, tp) if spmd.is_type_checking() else fast(x, tp)
 
 
 # the same collectives with their types erased, for the boundaries inside a compiled block (apply_spmd_tp
@@ -375,18 +401,19 @@ def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict,
             module.register_forward_hook(lambda mod, args, out: scatter(out, tp))
         return
     if sharding.input is not None:
-        gather = _boundary_op(sharding.input, "input")
+        gather = _p2p_unless_checking(sharding.input, _boundary_op(sharding.input, "input"), tp)
         if keep_shards and sharding.input == ALL_GATHER:
             pre, post = _gather_keeping_shard(gather, tp)
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post, always_call=True)
         else:
             module.register_forward_pre_hook(_eager(lambda mod, args: (gather(args[0], tp), *args[1:])))
-    if sharding.partial_output:
-        module.register_forward_hook(
-            _eager(lambda mod, args, out: spmd.reinterpret(out, tp.group, src=spmd.V, dst=spmd.P)))
+    if sharding.partial_output:     # a type only (forward and backward are identities): for the checker
+        module.register_forward_hook(_eager(
+            lambda mod, args, out: spmd.reinterpret(out, tp.group, src=spmd.V, dst=spmd.P)
+            if spmd.is_type_checking() else out))
     if sharding.output is not None:
-        scatter = _boundary_op(sharding.output, "output")
+        scatter = _p2p_unless_checking(sharding.output, _boundary_op(sharding.output, "output"), tp)
         module.register_forward_hook(_eager(lambda mod, args, out: scatter(out, tp)))
 
 

@@ -1,0 +1,104 @@
+"""The sequence-parallel boundary collectives written out as point-to-point exchanges, for gloo in erasure mode.
+
+Under TP + SP every block has four boundaries a step (``spmd_tensor_parallel``): the all-gather of
+the attention / feed-forward input over the sequence (backward: a reduce-scatter of its gradient)
+and the reduce-scatter of the row-wise linears' pending sums (backward: an all-gather).  On gloo
+the library versions cost more bytes and copies than the operation needs:
+
+* ``reduce_scatter_tensor`` is a clone of the whole input, a FULL all-reduce of it (on 2 ranks a
+  ring: each rank sends and receives the whole tensor's half twice) and a copy of this rank's chunk
+  (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``); a sequence-dim scatter first also
+  copies the input into rank-major order (``funcol.reduce_scatter_tensor``'s chunk + cat).  The
+  direct reduce-scatter sends each peer only its chunk (``isend``), receives this rank's chunk
+  from each peer (``irecv``) and sums them locally, in rank order;
+* the sequence-dim all-gather gathers rank-major into a staging tensor (gloo first copies this
+  rank's input into it) and then concatenates along the sequence (a second full copy); here the
+  peers' chunks are received and every chunk is copied once into its place.
+
+The sums are those of the library collectives: on 2 ranks ``a + b == b + a`` bitwise (IEEE
+addition is commutative), so the result is exact; with more ranks the local sum runs in rank
+order, every rank reducing its own chunk (the same value on every rank that needs it), which
+may round differently from gloo's ring order (parity tests: within their tolerances).
+
+These functions carry no ``spmd_types`` types: ``spmd_tensor_parallel`` uses them only on gloo
+and only while the type checker is off (erasure mode, the default), where a typed collective
+is exactly this collective; under ``train.spmd_typecheck`` the typed ones run.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEQ_DIM = 1      # [batch, seq, ...]
+
+
+def _exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
+    """Send ``sends[p]`` to and receive ``recvs[p]`` from each peer p (ranks in `group`), then wait."""
+    works = [dist.irecv(buf, group=group, group_src=p) for p, buf in recvs.items()]
+    works += [dist.isend(t, group=group, group_dst=p) for p, t in sends.items()]
+    for w in works:
+        w.wait()
+
+
+def all_gather_seq(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+    """``[b, s/size, ...]`` per rank -> ``[b, s, ...]`` on every rank, rank r's chunk at sequence block r."""
+    x = x.contiguous()
+    b, s_loc = x.shape[0], x.shape[SEQ_DIM]
+    out = x.new_empty((b, size * s_loc, *x.shape[2:]))
+    blocks = out.view(b, size, s_loc, *x.shape[2:])          # [b, rank, s/size, ...], views of `out`
+    peers = [p for p in range(size) if p != rank]
+    if b == 1:          # each sequence block of `out` is contiguous: receive straight into it
+        recvs = {p: blocks[:, p] for p in peers}
+    else:
+        recvs = {p: x.new_empty(x.shape) for p in peers}
+    _exchange({p: x for p in peers}, recvs, group)
+    blocks[:, rank].copy_(x)
+    if b != 1:
+        for p, buf in recvs.items():
+            blocks[:, p].copy_(buf)
+    return out
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+    """``[b, s, ...]`` pending sum per rank -> this rank's sequence block ``[b, s/size, ...]`` of the sum."""
+    b, s = x.shape[0], x.shape[SEQ_DIM]
+    if s % size:
+        raise ValueError(f"sequence parallel: sequence length {s} is not divisible by tp={size}")
+    chunks = x.chunk(size, SEQ_DIM)
+    peers = [p for p in range(size) if p != rank]
+    recvs = {p: x.new_empty(chunks[rank].shape) for p in peers}
+    _exchange({p: chunks[p].contiguous() for p in peers}, recvs, group)
+    parts = [chunks[rank] if p == rank else recvs[p] for p in range(size)]
+    out = parts[0] + parts[1]
+    for part in parts[2:]:
+        out += part
+    return out
+
+
+class GatherSeq(torch.autograd.Function):
+    """S(1) -> R over the sequence: all-gather forward, reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.comm = (group, rank, size)
+        return all_gather_seq(x, group, rank, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, *ctx.comm), None, None, None
+
+
+class ScatterSeq(torch.autograd.Function):
+    """P -> S(1) over the sequence: reduce-scatter forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.comm = (group, rank, size)
+        return reduce_scatter_seq(x, group, rank, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, *ctx.comm), None, None, None
+
+
+__all__ = ["GatherSeq", "ScatterSeq", "all_gather_seq", "reduce_scatter_seq"]
