@@ -301,9 +301,19 @@ _OTHER_FRAMEWORKS = (
      "titan-run sends every routed copy in one all-to-all (auto or every_copy"),
     ("pp_sent_tensors", lambda wl: wl.pp_keeps_sent,
      "titan-run's pipelining keeps the tensors a stage has sent (auto or kept"),
-    ("pp_grad_sync", lambda wl: wl.pp_defers_grad_sync,
-     "titan-run's pipelining reduce-scatters the gradients at the last micro-batch (last_microbatch"),
 )
+
+
+def grad_sync_error(plan: Plan, grad_sync: str) -> str | None:
+    """Why titan-run's pipeline cannot run workload ``pp_grad_sync`` = `grad_sync` for `plan` (one line), or
+    None.  The split-backward (V) schedules compute the weight gradients in a later pass than the input
+    gradients, after FSDP's post-backward hook of the micro-batch has run, so a reduce-scatter per
+    micro-batch would miss them (``parallel/pipeline.py``)."""
+    if grad_sync == "every_microbatch" and plan.pp > 1 and plan.is_v_schedule:
+        return (f"workload key 'pp_grad_sync' is 'every_microbatch', but titan-run's schedule {plan.schedule} "
+                "computes the weight gradients after the micro-batch's reduce-scatter would run (use GPipe, 1F1B "
+                "or Interleaved1F1B, or pp_grad_sync: last_microbatch)")
+    return None
 
 
 def _check_workload_runs(wl, plan: Plan) -> None:
@@ -319,6 +329,9 @@ def _check_workload_runs(wl, plan: Plan) -> None:
         if not runs(wl):
             raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but {does}; that key describes "
                               "other frameworks to the planner)")
+    err = grad_sync_error(plan, wl.pp_grad_sync)
+    if err:
+        raise ConfigError(err)
     if not wl.tp_keeps_gathered and plan.tp > 1:    # sharded: spmd_tensor_parallel keeps the sequence shards
         for bad, why in (
                 (plan.backend != "spmd_types",

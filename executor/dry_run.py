@@ -78,8 +78,10 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool, announce: bool = F
         # stage's gradients unsharded (fp32) between micro-batches: each parameter at its FSDP-unsharded
         # (TP/EP-local) size -- expert weights are sharded over dp_shard*cp/ep ranks, not dp_shard*cp.
         unsharded = _fsdp_unsharded_numel(stages)
+        # (workload pp_grad_sync: every_microbatch reduce-scatters each micro-batch's into the shard instead)
+        defers = cfg.workload.pp_grad_sync == "last_microbatch"
         grad_numel = (sum(unsharded.get(id(p), _local_numel(p)) for p in params if p.requires_grad)
-                      if plan.pp > 1 and plan.n_microbatches > 1 else trainable)
+                      if plan.pp > 1 and plan.n_microbatches > 1 and defers else trainable)
         out: dict[str, Any] = {
             "rank": rank, "stages": [i for i, _ in stages], "backend": backend,
             "param_numel": n_local,

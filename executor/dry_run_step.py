@@ -116,12 +116,14 @@ def rank_actions(plan, stages, schedule=None, pp_rank: int = 0) -> list[tuple[st
     return acts
 
 
-def _fsdp_no_sync(module: nn.Module) -> None:
-    """What the pipeline stage does before each backward (stage.backward_maybe_with_nosync)."""
+def _fsdp_no_sync(module: nn.Module, every_microbatch: bool = False) -> None:
+    """What the pipeline stage does before each backward (stage.backward_maybe_with_nosync); with
+    `every_microbatch` (workload ``pp_grad_sync``) the stage keeps the sync and the resharding on
+    (``pipeline._stage_class``)."""
     if isinstance(module, FSDPModule):
         module.set_is_last_backward(False)
-        module.set_reshard_after_backward(False)
-        module.set_requires_gradient_sync(False)
+        module.set_reshard_after_backward(every_microbatch)
+        module.set_requires_gradient_sync(every_microbatch)
 
 
 def _fsdp_reduce_grad(module: nn.Module) -> None:
@@ -175,9 +177,12 @@ def _in_flight_cost_model(plan, pp_rank: int) -> float | None:
     return None
 
 
-def _replay(actions, mods: dict[int, nn.Module], plan, *, tokens, labels, positions, hidden, loss_fn) -> int:
+def _replay(actions, mods: dict[int, nn.Module], plan, *, tokens, labels, positions, hidden, loss_fn,
+            grad_sync: str = "last_microbatch") -> int:
     """Run this rank's compute actions on its stage modules (FakeTensors); returns the most
-    (stage, micro-batch) activation sets alive at once.  ``hidden``: (shape, dtype) of a stage input."""
+    (stage, micro-batch) activation sets alive at once.  ``hidden``: (shape, dtype) of a stage input;
+    `grad_sync`: the workload's ``pp_grad_sync``."""
+    every = grad_sync == "every_microbatch"
     last_stage = plan.n_stages - 1 if plan.pp > 1 else 0
     live: dict[tuple[int, int | None], tuple] = {}
     max_live = 0
@@ -200,13 +205,13 @@ def _replay(actions, mods: dict[int, nn.Module], plan, *, tokens, labels, positi
         elif kind == "B":
             out, grad, _ = live.pop((s, mb))
             if plan.pp > 1:
-                _fsdp_no_sync(mods[s])
+                _fsdp_no_sync(mods[s], every)
             torch.autograd.backward(out, grad)
         elif kind == "I":
             # torch's stage_backward_input: the gradient of the stage input only (sent to the previous
             # stage), with the graph retained for the W step
             out, grad, inp = live[(s, mb)]
-            _fsdp_no_sync(mods[s])
+            _fsdp_no_sync(mods[s], every)
             if inp.requires_grad:
                 torch.autograd.grad(out, inp, grad, retain_graph=True)
         elif kind == "W":
@@ -298,7 +303,8 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
         with tracker:
             with loss_ctx():
                 max_live = _replay(actions, dict(stages), plan, tokens=tokens, labels=labels, positions=positions,
-                                   hidden=(hidden_shape, precision.param_dtype), loss_fn=loss_fn)
+                                   hidden=(hidden_shape, precision.param_dtype), loss_fn=loss_fn,
+                                   grad_sync=cfg.workload.pp_grad_sync)
             optimizer.step()
             optimizer.zero_grad()
         snap = tracker.get_tracker_snapshot("peak")

@@ -133,10 +133,11 @@ def setup(cfg: RunConfig) -> Trainer:
     params = [p for _, m in stages for p in m.parameters()]
     runner = None
     if cfg.plan.pp > 1 and backend == "spmd_types":     # typed stages and loss: parallel/spmd_pipeline.py
-        runner = build_typed_schedule(stages, cfg.plan, meshes, device, typecheck=cfg.train.spmd_typecheck)
+        runner = build_typed_schedule(stages, cfg.plan, meshes, device, typecheck=cfg.train.spmd_typecheck,
+                                      grad_sync=cfg.workload.pp_grad_sync)
     elif cfg.plan.pp > 1:
         runner = build_schedule(stages, cfg.plan, meshes.pp, cross_entropy, device,
-                                step_context=lambda: loss_context(cfg))
+                                step_context=lambda: loss_context(cfg), grad_sync=cfg.workload.pp_grad_sync)
 
     # 3. optimizer and LR schedule
     optimizer = build_optimizer(stages, cfg, device)

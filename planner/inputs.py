@@ -79,7 +79,8 @@ WORKLOAD_HELP = {
                        "deallocate_pipeline_outputs, the Llama 3 paper)",
     "pp_grad_sync": "when FSDP reduce-scatters gradients under a pipeline: last_microbatch (default: torch's "
                     "pipelining, unsharded fp32 gradients accumulated) or every_microbatch (each micro-batch into "
-                    "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only)",
+                    "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only; titan-run runs both, every_microbatch "
+                    "not on the V schedules)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 

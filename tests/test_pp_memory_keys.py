@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
 from cost_models.coefficients import Coefficients
 from cost_models.comm import axis_links, ring_gather_time
@@ -136,7 +137,15 @@ def test_auto_resolution_and_one_line_errors():
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
     assert_titan_run_refuses(tmp_path, "pp_sent_tensors", "freed", ["auto", "kept"])
-    assert_titan_run_refuses(tmp_path, "pp_grad_sync", "every_microbatch", ["last_microbatch"])
+    # titan-run runs every_microbatch on GPipe / 1F1B / Interleaved1F1B (tests/distributed/test_pp_grad_sync.py);
+    # the V schedules compute weight gradients after the micro-batch's reduce-scatter would run
+    v_plan = {"pp": 2, "schedule": "ZBVZeroBubble", "stages_per_rank": 2, "n_microbatches": 2, "microbatch": 2}
+    assert_titan_run_refuses(tmp_path, "pp_grad_sync", "every_microbatch", ["last_microbatch"], plan=v_plan)
+    from executor.config import load_run_config   # lazy: the cost-model tests stay torch-free
+    f = tmp_path / "plain.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {**v_plan, "schedule": "1F1B", "stages_per_rank": 1},
+                                 "workload": {"seq_len": 64, "global_batch": 4, "pp_grad_sync": "every_microbatch"}}))
+    assert load_run_config(str(f), [], world_size=2).workload.pp_grad_sync == "every_microbatch"
 
 
 def test_a_departure_from_the_layouts_runtime_is_a_regime_of_its_own():

@@ -74,6 +74,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from cost_models.layout import stage_layer_counts
+from executor.config import grad_sync_error
 from search_spaces.constraints import RUNTIME_RULES
 from search_spaces.plan import Plan
 
@@ -302,7 +303,13 @@ def _allow_retained_compiled_backward() -> None:
         functorch_config.donated_buffer = False
 
 
-def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManager] | None = None):
+def _keep_on(*args, **kwargs) -> None:
+    """Stands in for an FSDP module's sync / reshard setters while a stage's backward runs (see
+    :func:`_stage_class`): the settings made just before stay as they are."""
+
+
+def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 sync_every_microbatch: bool = False):
     """PipelineStage, minus warm-up sends to the rank itself on gloo.
 
     torch 2.11's V schedules post a warm-up isend/irecv between every pair of
@@ -315,6 +322,15 @@ def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManage
     With `backward_context`, the stage's backward calls (full, input and weight
     backward; torch 2.14's backward shape inference) run inside it: the
     spmd_types backend runs them outside the type checker (``spmd_pipeline.py``).
+
+    With `sync_every_microbatch` (workload ``pp_grad_sync: every_microbatch``), an FSDP stage
+    reduce-scatters each micro-batch's gradients into the sharded gradients during that
+    micro-batch's backward and reshards its parameters after it, as FSDP does without a pipeline:
+    torch's ``backward_maybe_with_nosync`` switches the gradient sync and the resharding off for
+    FSDP stages before every backward (one reduce-scatter of unsharded fp32 gradients at the end
+    of the step), so those two setters are held while it runs.  The schedule's final
+    ``perform_reduce_grad`` then has nothing left to reduce; it waits for the reduce-scatters and
+    scales the sharded gradients by the micro-batch count.
     """
     class _Stage(PipelineStage):
         def _get_init_p2p_neighbors_ops(self):
@@ -323,11 +339,23 @@ def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManage
             return [op for op in ops
                     if not (op.peer == me and dist.get_backend(op.group) == "gloo")]
 
-        if backward_context is not None:
-            def backward_maybe_with_nosync(self, *args, **kwargs):
-                with backward_context():
+        def backward_maybe_with_nosync(self, *args, **kwargs):
+            ctx = backward_context() if backward_context is not None else contextlib.nullcontext()
+            mod = self.submod
+            if not (sync_every_microbatch and isinstance(mod, FSDPModule)):
+                with ctx:
                     return super().backward_maybe_with_nosync(*args, **kwargs)
+            mod.set_is_last_backward(False)
+            mod.set_requires_gradient_sync(True)
+            mod.set_reshard_after_backward(True)
+            mod.set_requires_gradient_sync = mod.set_reshard_after_backward = _keep_on
+            try:
+                with ctx:
+                    return super().backward_maybe_with_nosync(*args, **kwargs)
+            finally:
+                del mod.set_requires_gradient_sync, mod.set_reshard_after_backward
 
+        if backward_context is not None:
             def _compute_input_grads(self, *args, **kwargs):     # torch 2.14 shape inference
                 with backward_context():
                     return super()._compute_input_grads(*args, **kwargs)
@@ -338,15 +366,20 @@ def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManage
 def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: DeviceMesh, loss_fn,
                    device, step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
                    runner_cls: Callable[..., PipelineRunner] = PipelineRunner,
-                   backward_context: Callable[[], contextlib.AbstractContextManager] | None = None
-                   ) -> PipelineRunner:
+                   backward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                   grad_sync: str = "last_microbatch") -> PipelineRunner:
     """PipelineStage per (already parallelized, materialized) stage module + the plan's schedule.
 
     `runner_cls` builds the runner from the same arguments as :class:`PipelineRunner`, and the stages'
     backward calls run in `backward_context` (the spmd_types backend passes its typed runner and
-    ``no_typecheck``, ``spmd_pipeline.py``)."""
+    ``no_typecheck``, ``spmd_pipeline.py``).  `grad_sync` is the workload's ``pp_grad_sync``:
+    ``every_microbatch`` reduce-scatters FSDP gradients in every micro-batch's backward
+    (:func:`_stage_class`), which the split-backward schedules cannot (``config.grad_sync_error``)."""
     _check_plan(plan)
-    stage_cls = _stage_class(backward_context)
+    err = grad_sync_error(plan, grad_sync)
+    if err:
+        raise ValueError(err)
+    stage_cls = _stage_class(backward_context, sync_every_microbatch=grad_sync == "every_microbatch")
     cls = schedule_class(plan.schedule)
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         _keep_fsdp_params_unsharded(stages, plan.schedule)

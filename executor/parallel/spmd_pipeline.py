@@ -136,9 +136,10 @@ def _retype_received(types: dict):
 
 
 def build_typed_schedule(stages: list[tuple[int, nn.Module]], plan, meshes, device, *,
-                         typecheck: bool = False) -> TypedPipelineRunner:
+                         typecheck: bool = False, grad_sync: str = "last_microbatch") -> TypedPipelineRunner:
     """The plan's schedule over typed stages (already parallelized on ``spmd_types`` and materialized), with
-    :class:`TypedMicroBatchLoss`; with `typecheck` every step runs under the spmd_types checker."""
+    :class:`TypedMicroBatchLoss`; with `typecheck` every step runs under the spmd_types checker; `grad_sync` is
+    the workload's ``pp_grad_sync`` (``pipeline.build_schedule``)."""
     hidden = hidden_types(meshes, plan)
     for idx, module in stages:
         if idx > 0:
@@ -146,7 +147,8 @@ def build_typed_schedule(stages: list[tuple[int, nn.Module]], plan, meshes, devi
     return build_schedule(stages, plan, meshes.pp, TypedMicroBatchLoss(meshes, plan), device,
                           step_context=spmd_typecheck if typecheck else None,
                           backward_context=spmd.no_typecheck if typecheck else None,
-                          runner_cls=functools.partial(TypedPipelineRunner, batch_types=batch_types(meshes, plan)))
+                          runner_cls=functools.partial(TypedPipelineRunner, batch_types=batch_types(meshes, plan)),
+                          grad_sync=grad_sync)
 
 
 __all__ = ["TypedMicroBatchLoss", "TypedPipelineRunner", "batch_types", "build_typed_schedule", "check_loss_type",
