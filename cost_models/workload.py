@@ -107,6 +107,17 @@ class Workload:
     micro-batch's gradients into the shard, as without a pipeline: the Llama 3 paper, Sec. 3.3.2, "our use
     of FSDP ... shards optimizer states and gradients"; fsdp2 layout only).
 
+    ``tp_comm_overlap`` and ``dp_comm_overlap`` say whether a run hides its tensor-parallel and its
+    data-parallel collectives under compute, as a framework's switches do: ``none`` (on the critical path:
+    plain TP, titan-run and TorchTitan without async TP; Megatron with ``overlap_grad_reduce`` /
+    ``overlap_param_gather`` off, DeepSpeed's pipeline engine, whose ``ReduceGrads`` is its own
+    instruction), ``full`` (as far as the concurrent compute reaches: Megatron's ``tp_comm_overlap``
+    userbuffers pipelining each TP collective with its matmul; FSDP2's prefetched all-gathers and
+    reduce-scatters, Megatron's overlapped bucket reduction) or ``auto`` (the coefficients' ``tp_overlap`` /
+    ``dp_overlap``: a framework regime's or a calibration file's value, by default none for TP and full
+    for DP).  Either way what stays exposed is max(0, collective - concurrent compute), per block
+    (``step_time.py``, ``data_parallel.py``); :meth:`with_overlaps` applies them.
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -148,6 +159,8 @@ class Workload:
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
     pp_grad_sync: Literal["last_microbatch", "every_microbatch"] = "last_microbatch"   # pipeline: DP grad sync
+    tp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # TP collectives under the block's matmuls
+    dp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # DP/FSDP collectives under compute
 
     def __post_init__(self) -> None:
         check_fields(self, where="workload", error=SpecError)
@@ -221,6 +234,14 @@ class Workload:
         if self.loss_impl != "auto":
             return self.loss_impl
         return "fused" if self.state_layout == "megatron" else "eager"
+
+    def with_overlaps(self, coeffs):
+        """`coeffs` with ``tp_overlap`` / ``dp_overlap`` set by ``tp_comm_overlap`` / ``dp_comm_overlap``
+        (none -> 0, full -> 1); ``auto`` keeps the coefficients' own value."""
+        over = {name: 0.0 if value == "none" else 1.0
+                for name, value in (("tp_overlap", self.tp_comm_overlap), ("dp_overlap", self.dp_comm_overlap))
+                if value != "auto"}
+        return coeffs.replace(**over) if over else coeffs
 
     @property
     def global_batch_tokens(self) -> int:

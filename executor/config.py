@@ -301,6 +301,10 @@ _OTHER_FRAMEWORKS = (
      "titan-run sends every routed copy in one all-to-all (auto or every_copy"),
     ("pp_sent_tensors", lambda wl: wl.pp_keeps_sent,
      "titan-run's pipelining keeps the tensors a stage has sent (auto or kept"),
+    ("tp_comm_overlap", lambda wl: wl.tp_comm_overlap != "full",
+     "titan-run runs each TP collective on its own, not pipelined with the matmul (auto or none"),
+    ("dp_comm_overlap", lambda wl: wl.dp_comm_overlap != "none",
+     "titan-run's FSDP2 prefetches its all-gathers and overlaps its reduce-scatters (auto or full"),
 )
 
 

@@ -31,7 +31,8 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
-                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_grad_sync")
+                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_grad_sync",
+                  "tp_comm_overlap", "dp_comm_overlap")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -81,6 +82,13 @@ WORKLOAD_HELP = {
                     "pipelining, unsharded fp32 gradients accumulated) or every_microbatch (each micro-batch into "
                     "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only; titan-run runs both, every_microbatch "
                     "not on the V schedules)",
+    "tp_comm_overlap": "TP collectives: auto (default: the framework's or calibration's tp_overlap; titan-run: "
+                       "none), none (on the critical path: plain TP) or full (under the block's matmuls: Megatron's "
+                       "tp_comm_overlap userbuffers)",
+    "dp_comm_overlap": "DP / FSDP collectives: auto (default: the framework's or calibration's dp_overlap; "
+                       "titan-run: full), full (prefetched / bucketed under compute: FSDP2, Megatron's "
+                       "overlap_grad_reduce) or none (after the backward: overlap_grad_reduce off, DeepSpeed's "
+                       "pipeline engine)",
 }
 assert set(WORKLOAD_FLAGS) | {"seq_len", "global_batch"} == set(WORKLOAD_KEYS), "a Workload key has no flag"
 
