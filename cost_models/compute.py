@@ -31,6 +31,18 @@ TILES = tuple((tm, tn, min(1.0, tm * tn / (tm + tn) / 64.0))
 # dimension; vTrain's A100 runs (unpadded vocabulary) show the head 1.5-2x slower at tp=1 too.
 FULL_RATE_ACCESS_BYTES = 4.0
 MIN_SPLIT_K = 256   # shallowest k slice of a split-K GEMM (elements)
+# Transformer Engine's GroupedLinear (Megatron-core's TEGroupedMLP, the experts of every megatron-layout
+# MoE row) runs the experts' GEMMs as one cuBLAS GEMM per expert, round-robin over a fixed pool of
+# compute streams: ``multi_stream_cublas_gemm`` in transformer_engine/common/gemm/cublaslt_gemm.cu
+# (``get_compute_stream(i % num_streams)``), ``num_compute_streams = 4`` in common/util/multi_stream.cpp
+# (NVIDIA/TransformerEngine d0067d0; the CUTLASS single-kernel path is opt-in, bf16 only, Hopper only).
+TE_GEMM_STREAMS = 4
+# Per-tensor current scaling (Megatron-Bridge's "FP8-CS" recipes) quantizes each tensor with three
+# kernels: amax, scale from amax, cast (Float8CurrentScalingQuantizer::quantize_impl in
+# transformer_engine/pytorch/csrc/quantizer.cpp); a GroupedLinear quantizes each expert's slice on its own
+# ("Currently only have fused kernel for FP8 delayed scaling ... Quantize kernels individually",
+# multi_tensor_quantize_impl in pytorch/csrc/extensions/cast.cpp).
+CURRENT_SCALING_KERNELS = 3
 
 
 class Rates:
@@ -132,13 +144,58 @@ def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
         if m.expert:
             local = model.n_experts / table.ep
             rows = tokens * model.top_k * coeffs.ep_imbalance / local       # tokens per local expert
-            t = gemm_time(rows, k, n, rate, r.mem, in_b, r.elt, r.sms, groups=local)   # one grouped GEMM
+            t = expert_gemm_time(rows, k, n, rate, r, in_b, local, per_expert_gemms(workload))
         else:
             t = gemm_time(tokens, k, n, rate, r.mem, in_b, r.elt, r.sms)
         fwd += t
         if i % 2:
             recomputed += t
     return fwd, recomputed
+
+
+def per_expert_gemms(workload) -> bool:
+    """True when the routed experts run as one GEMM kernel per expert (Transformer Engine's GroupedLinear:
+    the megatron layout, whose MoE rows are Megatron-core's TEGroupedMLP), False when they run as one grouped
+    kernel per weight (``torch._grouped_mm``: titan-run's executor/models/moe.py, TorchTitan)."""
+    return workload.state_layout == "megatron"
+
+
+def expert_gemm_time(rows, k, n, rate, r: Rates, in_bytes, local, per_expert: bool):
+    """Time of one expert weight's GEMMs over the `local` experts of a rank, `rows` tokens each: one grouped
+    kernel whose tiles share the waves, or (`per_expert`) one cuBLAS GEMM per expert issued round-robin over
+    `TE_GEMM_STREAMS` streams, so at most that many share the SMs: full rounds of `TE_GEMM_STREAMS`
+    concurrent GEMMs and a last round of the rest, each round quantized into waves on its own."""
+    if not per_expert:
+        return gemm_time(rows, k, n, rate, r.mem, in_bytes, r.elt, r.sms, groups=local)
+    local = np.asarray(local, dtype=np.float64)
+    s = float(TE_GEMM_STREAMS)
+    full = np.floor(local / s)
+    rest = local - full * s
+    t_full = gemm_time(rows, k, n, rate, r.mem, in_bytes, r.elt, r.sms, groups=np.minimum(local, s))
+    t_rest = gemm_time(rows, k, n, rate, r.mem, in_bytes, r.elt, r.sms, groups=np.maximum(rest, 1.0))
+    return np.where(local <= s, t_full, full * t_full + np.where(rest > 0, t_rest, 0.0))
+
+
+def expert_kernels(table, model, workload, moe: bool) -> np.ndarray:
+    """[n] kernels one MoE block launches in forward on top of `kernels_per_block` (which counts the routed
+    experts as one grouped GEMM per weight), in the model's convention that backward launches twice the
+    forward's kernels.
+
+    Per-expert GEMMs (`per_expert_gemms`): a SwiGLU expert MLP is two GroupedLinears in Megatron (fc1, gate
+    and up fused; fc2), each one GEMM per local expert forward and a dgrad plus a wgrad GEMM per expert
+    backward: 2 x local forward instead of the 3 counted (2 x local - 2 for a two-matmul MLP), and the
+    2x backward rule then gives the 4 x local backward GEMMs exactly.  Under float8 each expert's fc1 and
+    fc2 inputs (forward) and output gradients (backward) are quantized on their own, `CURRENT_SCALING_KERNELS`
+    each: 6 x local forward and 6 x local backward, which enter as 4 x local forward kernels so that the
+    step's count, forward plus twice that, is exact (12 x local).  None for one grouped kernel per weight."""
+    if not (moe and model.is_moe and per_expert_gemms(workload)):
+        return np.zeros(len(table))
+    local = model.n_experts / table.ep.astype(np.float64)
+    counted = float(sum(1 for m in layer_matmuls(model, True) if m.expert))
+    gemms = 2.0 * local - counted
+    per_pass = 2.0 * CURRENT_SCALING_KERNELS * local          # two quantized tensors per expert and pass
+    quant = np.where(table.float8, 2.0 * per_pass / 3.0, 0.0)   # forward + 2 x this = the two passes
+    return gemms + quant
 
 
 def elementwise_bytes(model, workload, moe: bool, compiled: bool) -> tuple[float, float]:
@@ -175,7 +232,8 @@ def elementwise_bytes(model, workload, moe: bool, compiled: bool) -> tuple[float
 def kernels_per_block(model, workload, moe: bool, compiled: bool) -> float:
     """Kernels one block launches in forward (backward launches about twice as many).
 
-    Matmuls (one per weight; routed experts as one grouped GEMM per weight), the attention
+    Matmuls (one per weight; routed experts as one grouped GEMM per weight -- the per-expert kernels of
+    Transformer Engine's GroupedLinear are `expert_kernels`, added per candidate), the attention
     core (1 fused kernel, or QK^T, softmax, [dropout,] PV when materialized), and the
     pointwise ops: eager TorchTitan-style code issues ~30 (fp32 RMSNorm ~8 each, complex
     RoPE ~6 per tensor, SwiGLU, residual adds, layout copies), compiled/fused code ~6.
