@@ -18,11 +18,11 @@ Mapping rules (stated once, applied to every row):
   says zero=0 or FSDP; their fused kernels are expressed as compile=True; selective
   recompute means Megatron's attention-core recompute.  TorchTitan rows use fsdp2, the
   'op' selective policy, eager unless "compile" is listed, reshard_after_forward=True.
-* overlap features a framework states are expressed through the two overlap coefficients
-  (all other coefficients stay at their defaults for every row): TP-communication overlap
-  (Megatron-LM README "TP overlap flags on"; Megatron-Bridge performance recipes) ->
-  tp_overlap = 1, i.e. TP collectives hide under the block's matmuls; everything else
-  tp_overlap = 0 (plain TP).  TorchTitan's async-TP rows are expressed with tp_overlap = 0; their
+* overlap features a framework states are the two overlap workload keys (every coefficient stays
+  at its default for every row, so each row is a `titan-plan estimate` command line): TP-communication
+  overlap (Megatron-LM README "TP overlap flags on"; Megatron-Bridge performance recipes) ->
+  tp_comm_overlap = full, i.e. TP collectives hide under the block's matmuls; everything else
+  none (plain TP).  TorchTitan's async-TP rows are expressed with tp_comm_overlap none; their
   throughput is shown but not scored (async TP hides part of the TP traffic, a figure the model
   does not have), their memory is scored.
 * Korthikanti rows: GPT with dropout and materialized (non-flash) attention, as in the paper.
@@ -37,7 +37,7 @@ Mapping rules (stated once, applied to every row):
   selective_ac 'modules'), the workload takes its EP all-to-all overlap (Megatron's
   overlap_moe_expert_parallel_comm -> ep_a2a_overlap 'combined_1f1b'), its token dispatcher (alltoall ->
   ep_dispatch 'every_copy'; flex with DeepEP or HybridEP -> 'per_node'), and overlap_grad_reduce false
-  -> dp_overlap = 0.  An entry whose layout differs is a record only (another recipe made the row).
+  -> dp_comm_overlap = none.  An entry whose layout differs is a record only (another recipe made the row).
 * unstated seq_len in TorchTitan's async-TP benchmark -> 8192 (the train_configs default, as
   the other TorchTitan rows; its 70B float8 vanilla-TP figure matches Table 4's); those runs
   need torch.compile for async TP, so compile=True.
@@ -62,7 +62,7 @@ framework):
   the config says), no TP overlap (userbuffers came later).  megatron-deepspeed-2022 (BLOOM's
   Megatron-DeepSpeed on Jean Zay): the same regime, ZeRO-1 (DeepSpeed's BF16 optimizer), 1F1B.
 * mbridge / nemo / Korthikanti rows follow the Megatron rules above (nemo: NeMo 2.0's performance
-  recipes turn TP communication overlap on, as mbridge's do -> tp_overlap = 1).  composer-fsdp (MosaicML's
+  recipes turn TP communication overlap on, as mbridge's do -> tp_comm_overlap = full).  composer-fsdp (MosaicML's
   llm-foundry benchmarks: Composer + PyTorch FSDP1) and llama3-meta (the Llama 3 paper: "DP
   stands for FSDP") use the fsdp2 layout, eager (compile=False: neither states a compiler), the
   'op' selective policy; FULL_SHARD -> reshard_after_forward=True, SHARD_GRAD_OP -> False.
@@ -98,7 +98,7 @@ framework):
   which grad accumulates in fp16"): fp16 mixed precision, whose 16-bit gradients accumulate in the
   parameters' .grad (autograd) and are reduced in 16 bits (grad_dtype bf16: 2 bytes).
   megatron-deepspeed-2022 also has
-  dp_overlap = 0: DeepSpeed's pipeline `TrainSchedule` issues `ReduceGrads` as its own instruction
+  dp_comm_overlap = none: DeepSpeed's pipeline `TrainSchedule` issues `ReduceGrads` as its own instruction
   after the last micro-batch's backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it.
 * norm kernel (Workload.norm_impl): a row's `norm_type` as its config states it (TorchTitan's 2024
   train configs: `fused_rmsnorm`, a Triton kernel keeping its input, or `rmsnorm`, eager); unstated,
@@ -351,12 +351,12 @@ def build_case(row) -> Case:
         # Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each pipeline stage", and
         # "our use of FSDP ... shards optimizer states and gradients" (each micro-batch's, under the pipeline)
         kw.update(pp_sent_tensors="freed", pp_grad_sync="every_microbatch")
-    workload = Workload(seq_len=seq, global_batch=gb, **kw)
-    flags = dict(fw.coefficients)
     if source == "megatron":
-        flags["tp_overlap"] = 1.0   # the Megatron-LM README's weak-scaling table: "TP overlap flags on"
+        kw["tp_comm_overlap"] = "full"   # the Megatron-LM README's weak-scaling table: "TP overlap flags on"
     if recipe.get("overlap_grad_reduce") is False:
-        flags["dp_overlap"] = 0.0     # the recipe turns Megatron's overlapped gradient reduction off
+        kw["dp_comm_overlap"] = "none"   # the recipe turns Megatron's overlapped gradient reduction off
+    workload = Workload(seq_len=seq, global_batch=gb, **kw)
+    flags: dict[str, float] = {}
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"

@@ -1,4 +1,4 @@
-"""Framework regimes: the workload keys and overlap coefficients a training framework's runs use.
+"""Framework regimes: the workload keys a training framework's runs use (overlaps included).
 
 `titan-plan estimate --framework NAME` (and `titan-plan plan`) starts from these instead of this
 executor's defaults, so a published configuration of another framework is one flag away; explicit
@@ -27,8 +27,7 @@ from .specs import SpecError
 class Framework:
     name: str
     describes: str                                   # one line: which stack, which era
-    workload: Mapping[str, Any] = field(default_factory=dict)      # Workload keys it fixes
-    coefficients: Mapping[str, float] = field(default_factory=dict)  # overlap it runs (Coefficients)
+    workload: Mapping[str, Any] = field(default_factory=dict)      # Workload keys it fixes (its overlaps too)
     why: str = ""                                    # where each setting comes from
 
 
@@ -53,12 +52,12 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               {**_MEGATRON, "attention_impl": "materialized", "dropout": True},
               why="no flash attention yet: QK^T, the fused scaled-masked softmax, dropout and PV, all kept"),
     Framework("megatron-bridge", "NVIDIA Megatron-Bridge / NeMo 2 performance recipes (Megatron-core)",
-              {**_MEGATRON, "grad_dtype": "bf16", "loss_impl": "fused"}, {"tp_overlap": 1.0},
+              {**_MEGATRON, "grad_dtype": "bf16", "loss_impl": "fused", "tp_comm_overlap": "full"},
               why="the recipes set grad_reduce_in_fp32 = False, cross_entropy_loss_fusion and TP communication "
                   "overlap (userbuffers) on"),
     Framework("megatron-deepspeed", "Megatron-DeepSpeed of 2022 (BLOOM) with DeepSpeed's BF16 optimizer",
               {**_MEGATRON, "attention_impl": "materialized", "dropout": True, "sequence_parallel": False,
-               "grad_accum": "hp_copy"}, {"dp_overlap": 0.0},
+               "grad_accum": "hp_copy", "dp_comm_overlap": "none"},
               why="fused softmax and dropout, no sequence parallelism; the BF16 optimizer copies each micro-"
                   "batch's gradients into fp32 (update_hp_grads); the pipeline engine's ReduceGrads runs after "
                   "the last backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it"),

@@ -231,8 +231,6 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
                                 where=f"{where}: workload", base=fw.workload)
     coeffs = Coefficients.load(args.calibration) if args.calibration else None
-    if fw.coefficients:     # the overlaps the framework runs, over a calibration's
-        coeffs = (coeffs or Coefficients()).replace(**fw.coefficients)
     return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
                       local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),
                       calibration=args.calibration, framework=fw.name)

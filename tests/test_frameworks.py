@@ -7,7 +7,6 @@ import json
 import pytest
 import yaml
 
-from cost_models.coefficients import Coefficients
 from cost_models.frameworks import ALIASES, FRAMEWORKS, get_framework
 from cost_models.specs import SpecError
 from cost_models.workload import Workload
@@ -18,11 +17,10 @@ vr = load_bench("validate_reference")
 
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORKS))
-def test_every_regime_is_a_valid_workload_and_coefficients(name):
+def test_every_regime_is_a_valid_workload(name):
     fw = FRAMEWORKS[name]
     wl = Workload(seq_len=8, global_batch=1, **fw.workload)
     assert all(getattr(wl, k) == v for k, v in fw.workload.items())
-    Coefficients().replace(**fw.coefficients)
     assert fw.describes and (fw.why or name == "titan-run")
 
 
@@ -58,16 +56,17 @@ def test_the_flag_gives_what_the_validator_scores():
 
 
 def test_the_regime_is_the_flags_it_stands_for(tmp_path):
-    """--framework X = its workload flags + a calibration file carrying its overlaps; an explicit flag wins."""
-    cal = tmp_path / "cal.yaml"
-    Coefficients(tp_overlap=1.0).save(cal)
+    """--framework X = its workload flags (its overlaps included); an explicit flag wins."""
     explicit = planner_cli(*MBRIDGE_70B, "--state-layout", "megatron", "--zero", "1", "--selective-ac", "attention",
-                    "--grad-dtype", "bf16", "--loss-impl", "fused", "--calibration", str(cal), "--json")
+                    "--grad-dtype", "bf16", "--loss-impl", "fused", "--tp-comm-overlap", "full", "--json")
     via = planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--json")
     assert explicit.returncode == 0 and via.returncode == 0, (explicit.stderr, via.stderr)
     assert json.loads(explicit.stdout)["predicted"] == json.loads(via.stdout)["predicted"]
-    over = planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--grad-dtype", "fp32", "--json")
-    assert json.loads(over.stdout)["workload"]["grad_dtype"] == "fp32"
+    over = planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--grad-dtype", "fp32", "--tp-comm-overlap",
+                       "none", "--json")
+    doc = json.loads(over.stdout)
+    assert doc["workload"]["grad_dtype"] == "fp32" and doc["workload"]["tp_comm_overlap"] == "none"
+    assert doc["predicted"]["time_s"]["tp_comm"] > json.loads(via.stdout)["predicted"]["time_s"]["tp_comm"]
     plain = planner_cli(*MBRIDGE_70B, "--json")
     assert json.loads(plain.stdout)["inputs"]["framework"] == "titan-run"
     assert json.loads(plain.stdout)["predicted"] != json.loads(via.stdout)["predicted"]
