@@ -231,10 +231,10 @@ P2P_OPS = {ALL_GATHER: _gather_seq_p2p, REDUCE_SCATTER: _scatter_seq_p2p}
 def _p2p_unless_checking(name: str, typed, tp: _TP):
     """Boundary `name`: the typed collective `typed` under the checker (``train.spmd_typecheck``), else on gloo
     its :data:`P2P_OPS` twin (in erasure mode the typed collective is just that collective)."""
-    fast = P2P_OPS.get(name) if tp.p2p else None
+    fast = P2P_OPS.get(name)
     if fast is None:
         return typed
-    return lambda x, tp: typed(x, tp) if spmd.is_type_checking() else fast(x, tp)
+    return lambda x, tp: fast(x, tp) if tp.p2p and not spmd.is_type_checking() else typed(x, tp)
 
 
 # the same collectives with their types erased, for the boundaries inside a compiled block (apply_spmd_tp
