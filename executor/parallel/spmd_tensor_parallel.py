@@ -66,6 +66,7 @@ import spmd_types as spmd
 
 from ..comm_timer import all_gather_flat
 from .seq_collectives import GatherSeq, ScatterSeq
+from .vocab_parallel_loss import VocabParallelCrossEntropy
 
 # spmd_types 0.3 calls funcol.all_gather_tensor / reduce_scatter_tensor, deprecated in torch 2.14: once per
 # collective and process otherwise, on every rank (the call may come through comm_timer's wrapper)
@@ -472,10 +473,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_
     and the label's logit (each a local partial sum, all-reduced P -> I).  The loss is
     Invariant over tp: every tp rank computes the same value, and backward hands each
     rank the gradient of its own logits.  `batch_types` are the batch's types on the
-    data-parallel axes (V), given to the max (made outside the type system)."""
+    data-parallel axes (V), given to the max (made outside the type system).  With the checker off
+    (erasure mode) the same loss and gradient, bitwise, come from one autograd Function
+    (``vocab_parallel_loss.py``: the two per-token sums in one all-reduce, backward in closed form;
+    measured at [1024, 1024] fp32 logits per rank on 2 gloo ranks, fwd+bwd median 16.7 -> 11.3 ms)."""
     tp = _TP(tp_mesh)
     logits = logits.flatten(0, 1).float()
     labels = labels.flatten()
+    if not spmd.is_type_checking():
+        return VocabParallelCrossEntropy.apply(logits, labels, tp.group, tp.rank)
     rows = logits.shape[-1]
     with torch.no_grad(), spmd.no_typecheck():
         m = logits.max(dim=-1).values
