@@ -60,7 +60,7 @@ def residual_rows(cases):
     """[(kind, shares {group: w}, residual r, regime names, world)] for every scored metric."""
     out = []
     for c in cases:
-        coeffs = Coefficients().replace(**c.flags)
+        coeffs = Coefficients()
         table = CandidateTable.from_plans([c.plan])
         est = estimate(table, c.model, c.hw, c.workload, coeffs)
         pred = vr.predict(c)

@@ -187,7 +187,6 @@ class Case:
     workload: Workload
     plan: Plan
     measured: dict = field(default_factory=dict)   # tokens_per_s_per_gpu | peak_mem_gib | params_opt_gib | activations_gib
-    flags: dict = field(default_factory=dict)      # framework features, as coefficient overrides
     not_counted: dict = field(default_factory=dict)  # metric -> why it is shown but not scored
     trained: bool = True                           # the figures come from a run that trained
     oom: bool = False                              # the source reports that this layout ran out of memory
@@ -356,7 +355,6 @@ def build_case(row) -> Case:
     if recipe.get("overlap_grad_reduce") is False:
         kw["dp_comm_overlap"] = "none"   # the recipe turns Megatron's overlapped gradient reduction off
     workload = Workload(seq_len=seq, global_batch=gb, **kw)
-    flags: dict[str, float] = {}
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
@@ -367,7 +365,7 @@ def build_case(row) -> Case:
                 reshard_after_forward=reshard, runnable=False)    # a what-if, as `titan-plan estimate`
     if ac is None:      # recompute not stated: the estimate CLI's choice without --ac
         plans = [dataclasses.replace(plan, ac=a) for a in AC_ORDER]
-        est = estimate(CandidateTable.from_plans(plans), model, hw, workload, Coefficients().replace(**flags))
+        est = estimate(CandidateTable.from_plans(plans), model, hw, workload, Coefficients())
         plan = plans[choose_ac(plans, est)]
     measured = {}
     if "step_time_s" in meas:
@@ -404,7 +402,7 @@ def build_case(row) -> Case:
     oom = bool(row.get("ran_out_of_memory"))
     if oom and measured:
         raise ValueError("a row that ran out of memory has no measured figures")
-    return Case(rid, model, hw, workload, plan, measured, flags, not_counted, trained and not oom, oom)
+    return Case(rid, model, hw, workload, plan, measured, not_counted, trained and not oom, oom)
 
 
 def load_rows(ref_dir: Path | None = None) -> list[dict]:
@@ -427,7 +425,7 @@ def build_cases(rows) -> tuple[list[Case], list[tuple[str, str]]]:
 
 
 def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
-    coeffs = (coeffs or Coefficients()).replace(**case.flags)
+    coeffs = coeffs or Coefficients()
     est_table = CandidateTable.from_plans([case.plan])
     est = estimate(est_table, case.model, case.hw, case.workload, coeffs)
     m = {k: float(v[0]) for k, v in est.memory.items()}
@@ -438,6 +436,50 @@ def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
             "capacity_gib": float(est.capacity_bytes) / GIB,
             "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
             "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0])}
+
+
+# the Plan fields, as `titan-plan estimate` flags (booleans: --[no-]flag)
+PLAN_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp", "cp": "--cp",
+              "ep": "--ep", "microbatch": "--microbatch", "n_microbatches": "--n-microbatches",
+              "stages_per_rank": "--stages-per-rank", "schedule": "--schedule", "ac": "--ac",
+              "reshard_after_forward": "reshard", "compile": "compile", "float8": "float8"}
+
+
+def _spec_ref(spec, kind: str, folder: Path, stem: str) -> str:
+    """A preset's name when `spec` is that preset unchanged, else a YAML file of it written under `folder`."""
+    if (PRESET_DIR / kind / f"{spec.name}.yaml").is_file():
+        if (load_model if kind == "models" else load_hardware)(spec.name) == spec:
+            return spec.name
+    path = folder / f"{stem}.{kind[:-1] if kind.endswith('s') else kind}.yaml"
+    path.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    return str(path)
+
+
+def cli_args(case: Case, folder: Path) -> list[str]:
+    """The row as a ``titan-plan estimate`` command line (the arguments after ``titan-plan``): every plan
+    and workload key as a flag, the model and hardware as presets or as YAML files written to `folder`.
+    It predicts what :func:`predict` does (tests/test_reference_accuracy.py runs every scored row)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", case.id)
+    wl, plan = case.workload, case.plan
+    argv = ["estimate", "--model", _spec_ref(case.model, "models", folder, stem),
+            "--hardware", _spec_ref(case.hw, "hardware", folder, stem), "--gpus", str(plan.world_size),
+            "--gpus-per-node", str(case.hw.gpus_per_node), "--seq-len", str(wl.seq_len),
+            "--global-batch", str(wl.global_batch)]
+    for key, flag in PLAN_FLAGS.items():
+        v = getattr(plan, key)
+        argv += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [flag, str(v)]
+    default = Workload(seq_len=wl.seq_len, global_batch=wl.global_batch)
+    for key in Workload.__dataclass_fields__:
+        v = getattr(wl, key)
+        if key in ("seq_len", "global_batch") or v == getattr(default, key):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(v, bool):
+            argv.append(flag if v else "--no-" + flag[2:])
+        else:
+            argv += [flag, ",".join(v) if isinstance(v, tuple) else str(v)]
+    return argv
 
 
 def evaluate(cases, coeffs: Coefficients | None = None) -> list[dict]:
@@ -588,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=("shared", "extra", "both"), default="both",
                     help="which reference set to score (default: both, each separately)")
+    ap.add_argument("--cli", metavar="DIR", help="also print each scored row as a titan-plan estimate command line "
+                    "(models and hardware that are not presets are written as YAML files under DIR)")
     args = ap.parse_args(argv)
     names = SETS if args.set == "both" else (args.set,)
     ref = reference_dir()
@@ -597,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         names = tuple(n for n in names if n != "shared")
     heads = [report_set(n, load_set(n)) for n in names]
+    if args.cli:
+        for n in names:
+            print(f"== set '{n}' as titan-plan command lines")
+            for c in build_cases(load_set(n))[0]:
+                print(f"{c.id}: titan-plan " + " ".join(cli_args(c, Path(args.cli))))
     print("HEADLINE " + " | ".join(heads))
     return 0
 

@@ -96,11 +96,16 @@ def cmd_estimate(args) -> int:
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
                          gpus_per_node=q.gpus_per_node, float8_supported=hw.supports_float8)
     problems = C.check_plan(plan, target, tp_within_node=False)
-    illegal = [m for r, m in problems if r != C.R_MICRO]
+    # titan-run's own limits (the pipeline runtime's micro-batch rules, tied embeddings under tp/pp, virtual
+    # stages without a layer): other frameworks run such layouts, so they are predicted, with a note
+    titan_run_only = {C.R_MICRO: "schedule", C.R_TIED: "layout"}
+    if plan.pp <= model.n_layers:       # more virtual stages than layers: some hold only the embedding or head
+        titan_run_only[C.R_PP_LAYERS] = "layout"
+    illegal = [m for r, m in problems if r not in titan_run_only]
     if illegal:
         raise PlanError(f"layout is not legal: {illegal[0]}")
-    not_runnable = [m for r, m in problems if r == C.R_MICRO]
-    note = (f"titan-run cannot run this schedule ({not_runnable[0]}); the figures are a what-if"
+    not_runnable = [(titan_run_only[r], m) for r, m in problems if r in titan_run_only]
+    note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
     plan, est, row, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
     blocker = a2a_overlap_blocker(plan, workload)

@@ -189,6 +189,6 @@ def test_validator_case_takes_the_recipes_settings():
     c = V.build_case(rows["mbridge_25.09_DeepSeek-V3_1024gpu"])
     assert c.plan.ac == "selective" and c.workload.selective_ac == "modules"
     assert c.workload.recompute_modules == ("mla_up_proj", "mlp") and c.workload.ep_a2a_overlap == "combined_1f1b"
-    assert c.flags.get("dp_overlap") == 0.0
+    assert c.workload.dp_comm_overlap == "none"
     q = V.build_case(rows["mbridge_25.11_Qwen3_30B-A3B_16gpu"])     # the recipe's layout is not the row's
     assert q.workload.ep_a2a_overlap == "none"

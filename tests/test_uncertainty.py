@@ -119,7 +119,7 @@ def test_shipped_bands_cover_the_published_runs():
     for c in cases:
         if "tokens_per_s_per_gpu" not in c.measured:
             continue
-        coeffs = _vr.Coefficients().replace(**c.flags)
+        coeffs = _vr.Coefficients()
         e = estimate(CandidateTable.from_plans([c.plan]), c.model, c.hw, c.workload, coeffs)
         measured_step = c.workload.global_batch_tokens / (c.measured["tokens_per_s_per_gpu"] * c.plan.world_size)
         below.append(measured_step <= e.step_time_p90_s[0] * (1 + 1e-9))
