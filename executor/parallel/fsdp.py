@@ -43,6 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter   # the custom-comm interface (torch >= 2.8)
+
+from .seq_collectives import reduce_scatter_flat
 from torch.distributed.tensor import _redistribute
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -68,9 +71,40 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, 
             # the mesh's last dim) has one rank: FSDP then divides locally, and would divide twice
             if expert_mesh.size(expert_mesh.ndim - 1) > 1 and expert_mesh.device_type != "cuda":
                 experts.set_force_sum_reduction_for_comms(True)
+            use_gloo_reduce_scatter(experts, expert_mesh)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        use_gloo_reduce_scatter(block, mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    use_gloo_reduce_scatter(model, mesh)
     overlap_all_gathers(model, mesh.device_type)
+
+
+class GlooReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter on gloo as a direct exchange (``seq_collectives.reduce_scatter_flat``).
+
+    gloo's ``reduce_scatter_tensor`` clones the whole flat gradient buffer, all-reduces ALL of it
+    and copies this rank's chunk out; here each peer is sent only its chunk and this rank's chunk
+    is summed locally in rank order (on 2 ranks bitwise gloo's result, SUM and AVG alike: the AVG
+    division is by the group size after the sum, as gloo's).  Other ops (PREMUL_SUM) and async
+    calls go to the library collective."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        reduce_scatter_flat(output_tensor, input_tensor, group, group.rank(), group.size())
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(group.size())
+        return None
+
+
+def use_gloo_reduce_scatter(module: nn.Module, mesh: DeviceMesh) -> None:
+    """On a gloo mesh, FSDP2 reduce-scatters `module`'s gradients with :class:`GlooReduceScatter`."""
+    if mesh.device_type == "cpu" and all(dist.get_backend(mesh.get_group(i)) == "gloo" for i in range(mesh.ndim)):
+        module.set_custom_reduce_scatter(GlooReduceScatter())
 
 
 def overlap_all_gathers(model: nn.Module, device_type: str) -> None:
@@ -181,9 +215,12 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
             experts[key].set_gradient_divide_factor(float(expert_divide_factor))
             if expert_mesh.size(expert_mesh.mesh_dim_names.index("efsdp")) > 1 and expert_mesh.device_type != "cuda":
                 experts[key].set_force_sum_reduction_for_comms(True)    # gloo has no PREMUL_SUM (as apply_fsdp)
+            use_gloo_reduce_scatter(experts[key], expert_mesh)
         fully_shard(block, mesh=spmd_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     dp_mesh_dims=dims)
+        use_gloo_reduce_scatter(block, spmd_mesh)
     fully_shard(model, mesh=spmd_mesh, reshard_after_forward=False, mp_policy=mp, dp_mesh_dims=dims)
+    use_gloo_reduce_scatter(model, spmd_mesh)
     overlap_all_gathers(model, spmd_mesh.device_type)
 
 

@@ -75,6 +75,19 @@ def reduce_scatter_seq(x: torch.Tensor, group, rank: int, size: int) -> torch.Te
     return out
 
 
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, rank: int, size: int) -> None:
+    """``out`` = this rank's dim-0 chunk of the sum of every rank's ``inp`` (contiguous, rank-major chunks: the
+    layout of FSDP2's reduce-scatter buffer), by the same exchange as :func:`reduce_scatter_seq`."""
+    chunks = inp.chunk(size)
+    peers = [p for p in range(size) if p != rank]
+    recvs = {p: torch.empty_like(out) for p in peers}
+    _exchange({p: chunks[p] for p in peers}, recvs, group)
+    parts = [chunks[rank] if p == rank else recvs[p] for p in range(size)]
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out += part
+
+
 class GatherSeq(torch.autograd.Function):
     """S(1) -> R over the sequence: all-gather forward, reduce-scatter of the gradient backward."""
 
@@ -101,4 +114,4 @@ class ScatterSeq(torch.autograd.Function):
         return all_gather_seq(grad, *ctx.comm), None, None, None
 
 
-__all__ = ["GatherSeq", "ScatterSeq", "all_gather_seq", "reduce_scatter_seq"]
+__all__ = ["GatherSeq", "ScatterSeq", "all_gather_seq", "reduce_scatter_flat", "reduce_scatter_seq"]
