@@ -103,6 +103,10 @@ framework):
 * norm kernel (Workload.norm_impl): a row's `norm_type` as its config states it (TorchTitan's 2024
   train configs: `fused_rmsnorm`, a Triton kernel keeping its input, or `rmsnorm`, eager); unstated,
   fused exactly when the row compiles (auto).
+* `not_counted: {metric: <reason>}` shows a measured metric without scoring it (the row's fit verdict still
+  counts), e.g. a training-average throughput under a schedule the plan stands in for.
+* a row's `parallel:` may state `recompute_modules` (Megatron-core's names), `moment_dtype` and `float8_cache`
+  (Workload keys): DeepSeek-V3's report states its recomputed modules, bf16 AdamW moments and fp8 caching.
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
@@ -162,7 +166,10 @@ FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-
                 "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan",
                 "megatron-lm-2021": "megatron-2022",   # Narayanan et al. 2021: the same fused softmax and dropout
                 "fms-fsdp": "torchtitan",   # IBM fms-fsdp: PyTorch FSDP, SDPA, eager cross-entropy (no fused kernels)
-                "megatron-lm-2024": "megatron-lm"}   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4, Zero Bubble)
+                "megatron-lm-2024": "megatron-lm",   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4, Zero Bubble)
+                # DeepSeek's HAI-LLM (arXiv:2412.19437 Sec. 3.2): ZeRO-1 data parallelism, bf16 compute with fp32 master
+                # weights and gradients (Sec. 3.3.3), fused kernels: the megatron layout's state and kernels
+                "deepseek-hai-llm": "megatron-lm"}
 MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if v.startswith("megatron") or v == "nemo")
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
@@ -301,7 +308,8 @@ def build_case(row) -> Case:
     recipe = recipe_for(row) or {}          # bench/reference_recipes.yaml: what the row's recipe states
     if ac is None and recipe.get("recompute"):
         ac = str(recipe["recompute"])
-    modules = tuple(recipe.get("modules") or ()) if ac == "selective" else ()
+    # Megatron-core's recompute_modules as the row states them (a recipe's otherwise)
+    modules = tuple(par.get("recompute_modules") or recipe.get("modules") or ()) if ac == "selective" else ()
     f8 = ("fp8" in text or "float8" in text)
     if "rowwise" in text:
         raise ValueError("float8 rowwise scaling is a different recipe from the tensorwise float8 the plan models")
@@ -314,6 +322,12 @@ def build_case(row) -> Case:
         # the paper's interleaved schedule: its first chunk holds only the embedding once one layer is
         # removed, so a chunk is one layer: V = (L + 2) / PP, more than the L // PP a plan can split
         schedule, v = "Interleaved1F1B", max(1, model.n_layers // pp)
+    elif pp > 1 and str(par.get("schedule", "")).startswith("DualPipe"):
+        # DualPipe (pp ranks, rank r holding stages r and pp-1-r for the two directions) as DualPipeV, its cut-in-
+        # half form over the same ranks: about the same activations per device (DualPipe PP + 1 micro-batches of
+        # an L/PP-layer stage, DualPipeV 2PP + 1 of an L/2PP-layer one: the DualPipe README's table) and half
+        # DualPipe's parameters (its two copies; docs/memory_audit.md adds the second one by hand)
+        schedule, v = "DualPipeV", 2
     korthikanti = source == "korthikanti"
     materialized = source in MATERIALIZED
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
@@ -350,6 +364,9 @@ def build_case(row) -> Case:
         # Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each pipeline stage", and
         # "our use of FSDP ... shards optimizer states and gradients" (each micro-batch's, under the pipeline)
         kw.update(pp_sent_tensors="freed", pp_grad_sync="every_microbatch")
+    for key in ("moment_dtype", "float8_cache"):   # stated precisions of what is stored (optimizer, activations)
+        if par.get(key):
+            kw[key] = str(par[key])
     if source == "megatron":
         kw["tp_comm_overlap"] = "full"   # the Megatron-LM README's weak-scaling table: "TP overlap flags on"
     if recipe.get("overlap_grad_reduce") is False:
@@ -374,6 +391,8 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec_per_gpu"])
     elif "tokens_per_sec_total" in meas:
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec_total"]) / count
+    elif "gpu_hours_per_trillion_tokens" in meas:   # a training average (DeepSeek-V3 Table 1)
+        measured["tokens_per_s_per_gpu"] = 1e12 / (float(meas["gpu_hours_per_trillion_tokens"]) * 3600.0)
     elif "tokens_per_sec" in meas:   # the async-TP table: header says tokens/sec, magnitude is per GPU
         measured["tokens_per_s_per_gpu"] = float(meas["tokens_per_sec"])
     elif "tflops_per_gpu" in meas:
@@ -396,6 +415,8 @@ def build_case(row) -> Case:
         not_counted["peak_mem_gib"] = ("TorchTitan e7c0cae compiles the loss as well (Compile.components defaults "
                                        "to ['model', 'loss']), so no fp32 logits are kept; this project's executor "
                                        "compiles blocks only, and the cost model follows the executor")
+    # a metric the row shows but the source does not let us score (the row's reason), its fit verdict still counted
+    not_counted.update({str(k): str(why) for k, why in (row.get("not_counted") or {}).items()})
     trained = bool(row.get("trained", True))
     if korthikanti and ac == "none" and "exceed 80 GB" in str(row["source"].get("caveat", "")):
         trained = False   # the source: the no-recompute bars exceed 80 GB, so they are analytic, not a run

@@ -8,6 +8,8 @@ micro-batches of each rank.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from search_spaces.plan import AC_MODES
@@ -32,8 +34,38 @@ N_TERMS = 6
 #           with tp = 1 there is no collective and the sum is recomputed)
 
 
+# DeepSeek-V3's fine-grained float8 (arXiv:2412.19437 Sec. 3.3.2): one fp32 scale per 1 x 128 activation tile
+FP8_TILE = 128
+E5M6_BYTES = 1.5     # Sec. 3.3.3: the customized E5M6 format (12 bits) of the linear input after attention
+
+
+class _Saved(NamedTuple):
+    """Bytes per element of what a block caches, by kind (`_saved_bytes`)."""
+    lin: float            # a linear's saved input
+    attn_out: float       # the input of the linear after attention (the attention output O)
+    o_copy: float         # the attention kernel's own copy of O, where it is not that input (0: one storage)
+    moe_swiglu_in: float  # an MoE expert's SwiGLU inputs (gate and up)
+
+
+def _saved_bytes(workload, e: float, f8_fraction: float, float8: bool) -> _Saved:
+    """What one block's cached tensors cost per element (``Workload.float8_cache``, with `float8` on).
+
+    Without float8, or with ``float8_cache: auto``, a saved linear input costs ``e * f8_fraction`` (the
+    coefficients' ``float8_saved_input_fraction``, 1.0 = torchao's high-precision copy) and, when that is
+    below ``e``, the attention kernel keeps its own O next to the out-projection's low-precision copy.
+    ``fp8``: every linear keeps its 1-byte input (Transformer Engine), O twice as above.  ``fine_grained``
+    (DeepSeek-V3 Sec. 3.3.3): linear inputs in fp8 plus one fp32 scale per 1 x 128 tile, O cached once in
+    E5M6 for the out-projection's and the attention's backward, the MoE SwiGLU inputs in fp8 as well."""
+    mode = workload.float8_cache if float8 else "auto"
+    if mode == "fine_grained":
+        tile = 1.0 + 4.0 / FP8_TILE
+        return _Saved(lin=tile, attn_out=E5M6_BYTES + 4.0 / FP8_TILE, o_copy=0.0, moe_swiglu_in=tile)
+    lin = 1.0 if mode == "fp8" else e * f8_fraction
+    return _Saved(lin=lin, attn_out=lin, o_copy=e if lin < e else 0.0, moe_swiglu_in=e)
+
+
 def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
-                           f8_fraction: float = 1.0) -> np.ndarray:
+                           f8_fraction: float = 1.0, *, float8: bool = False) -> np.ndarray:
     """Bytes one block keeps for backward, per token, split into the terms above.
 
     Source: Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and Table 2, per layer
@@ -57,6 +89,8 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     (this executor) keeps the block input, every matmul, attention and collective output;
     'modules' drops what each of Megatron's `recompute_modules` recomputes (`_module_drops`).
     Full keeps the block input (Korthikanti Table 2: 2sbh).
+    With `float8` on, ``Workload.float8_cache`` says what the cached tensors cost (`_saved_bytes`);
+    `f8_fraction` is the ``auto`` one (a linear input's bytes relative to the compute dtype's).
     """
     if ac == "full":
         t = np.zeros(N_TERMS)
@@ -66,9 +100,10 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
         return _selective_kept_terms(model, workload, moe, f8_fraction)
     # no recomputation, the attention-core policy (which only removes the core's tensors) or modules
     core_dropped = ac == "selective" and (workload.selective_ac == "attention" or workload.recomputes("core_attn"))
-    t = _stored_terms(model, workload, moe, core_dropped, compiled, f8_fraction)
+    saved = _saved_bytes(workload, 4.0 if workload.dtype == "fp32" else 2.0, f8_fraction, float8)
+    t = _stored_terms(model, workload, moe, core_dropped, compiled, saved)
     if ac == "selective" and workload.selective_ac == "modules":
-        t = t - _module_drops(model, workload, moe, compiled, f8_fraction)
+        t = t - _module_drops(model, workload, moe, compiled, saved)
     return t
 
 
@@ -99,7 +134,7 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
 
 
 def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool,
-                  f8_fraction: float) -> np.ndarray:
+                  saved: _Saved) -> np.ndarray:
     """`layer_activation_terms` without recomputation: norms, dropout masks, the attention's
     Q/K/V and core (unless `core_dropped`, the 'attention' policy) and the FFN's tensors."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
@@ -107,7 +142,7 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     d_qk, d_k, d_v = attention_dims(model)
     d_o = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
     fused = workload.attention_impl == "fused"
-    lin = e * f8_fraction                            # a saved linear input
+    lin = saved.lin                                  # a saved linear input
     drop = 1.0 if workload.dropout else 0.0          # one byte per mask element
     t = np.zeros(N_TERMS)
     col_in = FULL if workload.tp_keeps_gathered else SEQ    # where a column-parallel input lives
@@ -120,7 +155,7 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     # llama3-debug: Q, K and V saved at n_heads * head_dim each.)
     if workload.state_layout == "fsdp2" and model.attention != "mla":
         d_k = d_v = d_o
-    t[SHARD] = e * (d_qk + d_k + d_v) + lin * d_o     # Q, K, V (RoPE applied) and out-proj input
+    t[SHARD] = e * (d_qk + d_k + d_v) + saved.attn_out * d_o     # Q, K, V (RoPE applied) and out-proj input
     if model.attention == "mla":                      # the normalized latents: the up projections' inputs
         t[FULL] += lin * (model.kv_lora_rank + (model.q_lora_rank or 0))
     if fused and not core_dropped:
@@ -128,10 +163,10 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
         # CPU) write O [b, s, heads, d]-contiguous and return it viewed as [b, heads, s, d], so
         # `out.transpose(1, 2).reshape(b, s, -1)` is a view: O *is* the out-proj input (one
         # storage, counted above) unless float8 saves a separate low-precision copy of it.
-        t[SHARD] += 4.0 * model.n_heads + (e * d_o if f8_fraction < 1.0 else 0.0)
+        t[SHARD] += 4.0 * model.n_heads + saved.o_copy * d_o
     elif not fused and not core_dropped:
         t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
-    t[SHARD] += _ffn_terms(model, workload, moe, compiled, e, lin).sum()
+    t[SHARD] += _ffn_terms(model, workload, moe, compiled, e, saved).sum()
     return t
 
 
@@ -151,32 +186,40 @@ def _norm_saved_bytes(model, workload, compiled: bool, e: float, h: int) -> floa
     return 2 * e * h                                  # eager fp32: input and normalized output
 
 
-def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, lin: float) -> np.ndarray:
+def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, saved: _Saved) -> np.ndarray:
     """Bytes per token (tp-sharded) the FFN keeps: [dense FFN or routed experts' hiddens, the routed
-    experts' dispatched inputs and outputs, shared experts, routed experts' activation outputs]."""
+    experts' dispatched inputs and outputs, shared experts, routed experts' activation outputs].
+    The routed experts' SwiGLU inputs cost ``saved.moe_swiglu_in`` per element (fp8 under DeepSeek-V3's
+    fine-grained recipe, "Inputs of the SwiGLU operator in MoE"; the shared experts, which the report does
+    not name, keep the compute dtype)."""
+    lin = saved.lin
     fused_mlp = workload.state_layout == "megatron"   # Megatron's fused bias-SwiGLU (compiled) keeps the fc2 input
     if not moe:
         return np.array([sum(_saved_ffn_parts(model, model.ffn_hidden, e, lin, compiled, fused_mlp)), 0.0, 0.0, 0.0])
     k, w = model.top_k, model.moe_ffn_hidden
-    hidden, act_out = _saved_ffn_parts(model, w, e, lin, compiled, fused_mlp)
+    hidden, act_out = _saved_ffn_parts(model, w, e, lin, compiled, fused_mlp, gate_up=saved.moe_swiglu_in)
     shared = (sum(_saved_ffn_parts(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp))
               if model.n_shared_experts else 0.0)
     outputs = e * model.dim if workload.moe_keeps_expert_outputs else 0.0   # kept by a weighted combine
     return np.array([k * hidden, k * (lin * model.dim + outputs), shared, k * act_out])
 
 
-def _module_drops(model, workload, moe: bool, compiled: bool, f8_fraction: float) -> np.ndarray:
+def _module_drops(model, workload, moe: bool, compiled: bool, saved: _Saved) -> np.ndarray:
     """What Megatron's `recompute_modules` (selective_ac 'modules') drop from the stored terms, per
     token (megatron/core/transformer: 'layernorm' and 'moe_act' and 'mla_up_proj' discard their
     outputs, 'core_attn', 'mlp', 'moe' and 'shared_experts' checkpoint the submodule, keeping its
-    input, which the block keeps anyway).  'core_attn' is applied by `_stored_terms`."""
+    input, which the block keeps anyway).  'core_attn' is applied by `_stored_terms`.
+    'layernorm' on MLA also recomputes the two latent norms: the kept latent is then each norm's input
+    (``e`` bytes), not the up projection's (``lin``-byte) input."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
-    lin = e * f8_fraction
+    lin = saved.lin
     h = model.dim
     d = np.zeros(N_TERMS)
-    ffn = _ffn_terms(model, workload, moe, compiled, e, lin)
+    ffn = _ffn_terms(model, workload, moe, compiled, e, saved)
     if workload.recomputes("layernorm"):              # the norm outputs: the QKV and FFN inputs
         d[FULL if workload.tp_keeps_gathered else SEQ] += 2 * lin * h
+        if model.attention == "mla":                  # the latents' norms: their inputs are kept instead
+            d[FULL] += (lin - e) * (model.kv_lora_rank + (model.q_lora_rank or 0))
     if workload.recomputes("mla_up_proj") and model.attention == "mla":
         d_qk, d_k, d_v = attention_dims(model)
         d[SHARD] += e * (d_qk + d_k + d_v)            # per-head Q, K (RoPE applied) and V
@@ -193,14 +236,16 @@ def _module_drops(model, workload, moe: bool, compiled: bool, f8_fraction: float
 
 
 def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
-                     fused_mlp: bool = False) -> tuple[float, float]:
+                     fused_mlp: bool = False, gate_up: float | None = None) -> tuple[float, float]:
     """Bytes per token an FFN of hidden `width` keeps, as (the hidden tensors before the activation's
-    output, the activation's output = the fc2 input); `lin`: bytes of a saved linear input."""
+    output, the activation's output = the fc2 input); `lin`: bytes of a saved linear input, `gate_up`: of
+    a SwiGLU input element (default `e`)."""
     if model.mlp != "swiglu":
         return e * width, lin * width                 # GeLU input, its output (= fc2 input)
+    g = e if gate_up is None else gate_up
     if compiled:                                      # gate, up; the product only when Megatron-fused
-        return 2 * e * width, (lin * width if fused_mlp else 0.0)
-    return 3 * e * width, lin * width                 # eager: gate, up, silu(gate); the product
+        return 2 * g * width, (lin * width if fused_mlp else 0.0)
+    return (2 * g + e) * width, lin * width           # eager: gate, up, silu(gate); the product
 
 
 def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
@@ -209,7 +254,8 @@ def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
     for a, ac in enumerate(AC_MODES):
         for c in (0, 1):
             for f in (0, 1):
-                out[a, c, f] = layer_activation_terms(model, workload, moe, ac, bool(c), f8_fraction if f else 1.0)
+                out[a, c, f] = layer_activation_terms(model, workload, moe, ac, bool(c), f8_fraction if f else 1.0,
+                                                      float8=bool(f))
     return out
 
 

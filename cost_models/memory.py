@@ -154,7 +154,7 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
     shard_p = dense_p / fsdp_group + expert_p * expert_shard_fraction(table, model)
     params = 4.0 * shard_p                                 # fp32 master copy, sharded
     grads = np.where(accumulate_unsharded, 4.0 * local, 4.0 * shard_p)
-    optimizer = 8.0 * shard_p                              # AdamW exp_avg, exp_avg_sq (fp32)
+    optimizer = 2.0 * workload.moment_elem_bytes * shard_p   # AdamW exp_avg, exp_avg_sq (moment_dtype)
     rs = unit * (e + 4.0)                                  # unsharded grad + fp32 reduce buffer
     # parameters stay gathered for the whole step when FSDP does not reshard after forward, when
     # pipelining defers gradient sync, and under the V schedules, where the executor turns
@@ -183,7 +183,7 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
 
 def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, ...]:
     """As `_fsdp2_state_bytes` for the Megatron layout: bf16 params, main grads in ``grad_dtype``
-    (fp32: Megatron-LM; bf16: NeMo / Megatron-Bridge recipes), ZeRO stages."""
+    (fp32: Megatron-LM; bf16: NeMo / Megatron-Bridge recipes), AdamW moments in ``moment_dtype``, ZeRO stages."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
     local = dense_p + expert_p
@@ -194,7 +194,8 @@ def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, 
     master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
     params = e * (sh if z >= 3 else local)
     grads = workload.grad_elem_bytes * (sh if z >= 2 else local)
-    optimizer = (8.0 + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
+    moments = 2.0 * workload.moment_elem_bytes               # exp_avg, exp_avg_sq (moment_dtype)
+    optimizer = (moments + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
     fsdp = fsdp_at_turn = np.zeros(len(table))
     return params, grads, optimizer, fsdp, fsdp_at_turn
 

@@ -118,6 +118,20 @@ class Workload:
     for DP).  Either way what stays exposed is max(0, collective - concurrent compute), per block
     (``step_time.py``, ``data_parallel.py``); :meth:`with_overlaps` applies them.
 
+    ``moment_dtype`` is the dtype of AdamW's two moments (exp_avg, exp_avg_sq): ``fp32`` (this executor,
+    torch's AdamW on fp32 master parameters, Megatron's default) or ``bf16`` (DeepSeek-V3, arXiv:2412.19437
+    Sec. 3.3.3: "We adopt the BF16 data format instead of FP32 to track the first and second moments in the
+    AdamW optimizer ... the master weights ... and gradients ... are still retained in FP32"; Megatron-core's
+    ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype bf16``): 4 instead of 8 optimizer bytes per parameter, the
+    master copy unchanged.
+    ``float8_cache`` is what float8 linears keep for backward (read only with float8 on): ``auto`` (the
+    coefficients' ``float8_saved_input_fraction``; by default torchao's tensorwise Float8Linear, which keeps
+    the high-precision input), ``fp8`` (each linear keeps its 1-byte fp8 input, the attention kernel its own
+    output next to the out-projection's fp8 copy: Transformer Engine) or ``fine_grained`` (DeepSeek-V3's
+    recipe, Sec. 3.3.3 "Low-Precision Activation": linear inputs cached in fp8 with one fp32 scale per 1x128
+    tile; the input of the linear after attention cached once, in E5M6 (1.5 bytes), for both that linear's
+    and the attention's backward; the inputs of the MoE experts' SwiGLU cached in fp8).
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -155,6 +169,8 @@ class Workload:
     ep_dispatch: Literal["auto", "every_copy", "per_node"] = "auto"   # how EP tokens cross nodes
     norm_impl: Literal["auto", "eager", "fused", "composite"] = "auto"     # the RMSNorm/LayerNorm kernel
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
+    moment_dtype: Literal["fp32", "bf16"] = "fp32"            # AdamW's exp_avg and exp_avg_sq
+    float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
@@ -183,6 +199,11 @@ class Workload:
         """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
         layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
         return 2.0 if self.state_layout == "megatron" and self.grad_dtype == "bf16" else 4.0
+
+    @property
+    def moment_elem_bytes(self) -> float:
+        """Bytes of one AdamW moment element (``moment_dtype``); the optimizer keeps two per parameter."""
+        return 2.0 if self.moment_dtype == "bf16" else 4.0
 
     @property
     def tp_keeps_gathered(self) -> bool:

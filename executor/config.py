@@ -305,6 +305,10 @@ _OTHER_FRAMEWORKS = (
      "titan-run runs each TP collective on its own, not pipelined with the matmul (auto or none"),
     ("dp_comm_overlap", lambda wl: wl.dp_comm_overlap != "none",
      "titan-run's FSDP2 prefetches its all-gathers and overlaps its reduce-scatters (auto or full"),
+    ("moment_dtype", lambda wl: wl.moment_dtype == "fp32",
+     "titan-run's AdamW keeps fp32 moments on its fp32 master parameters (fp32"),
+    ("float8_cache", lambda wl: wl.float8_cache == "auto",
+     "titan-run's float8 linears (torchao, tensorwise) keep their high-precision inputs (auto"),
 )
 
 

@@ -32,7 +32,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
                   "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_grad_sync",
-                  "tp_comm_overlap", "dp_comm_overlap")
+                  "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "float8_cache")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -85,6 +85,14 @@ WORKLOAD_HELP = {
     "tp_comm_overlap": "TP collectives: auto (default: the framework's or calibration's tp_overlap; titan-run: "
                        "none), none (on the critical path: plain TP) or full (under the block's matmuls: Megatron's "
                        "tp_comm_overlap userbuffers)",
+    "moment_dtype": "AdamW's two moments: fp32 (default; titan-run) or bf16 (DeepSeek-V3, arXiv:2412.19437 Sec. "
+                    "3.3.3; Megatron-core's --exp-avg-dtype bf16): 4 instead of 8 optimizer bytes per parameter, the "
+                    "fp32 master copy unchanged",
+    "float8_cache": "what float8 linears keep for backward (with --float8): auto (default: the coefficients' "
+                    "float8_saved_input_fraction, torchao's high-precision input; titan-run), fp8 (1-byte inputs, "
+                    "attention keeps its own output: Transformer Engine) or fine_grained (DeepSeek-V3 Sec. 3.3.3: "
+                    "fp8 inputs with a scale per 1x128 tile, the attention output once in E5M6, MoE SwiGLU inputs "
+                    "in fp8; memory only, the step time stays tensorwise float8's)",
     "dp_comm_overlap": "DP / FSDP collectives: auto (default: the framework's or calibration's dp_overlap; "
                        "titan-run: full), full (prefetched / bucketed under compute: FSDP2, Megatron's "
                        "overlap_grad_reduce) or none (after the backward: overlap_grad_reduce off, DeepSpeed's "
