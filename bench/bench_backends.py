@@ -25,6 +25,11 @@ collectives per step on both (15 all-to-alls -- 3 count exchanges, 6 dispatch/co
 24,601 events), and the same CPU work: 0.558 / 0.564 s per step on rank 0 (0.541 / 0.536 on rank 1),
 paired step-time ratio 1.034 (20 pairs).
 
+Eager tp2 and dp2 after the gloo point-to-point collectives (spmd TP boundaries and the loss Function on
+spmd_types only; FSDP2's reduce-scatter on both backends: parallel/seq_collectives.py), 2026-12-02 05:17-05:20,
+load 2.0 -> 1.7 (these runs): tp2 spmd_types 1,962 / dtensor 1,636 tokens/s per device, 1.200x; dp2 2,876 /
+2,824, 1.018x.
+
 tp2_compile after the erased TP boundaries (spmd_tensor_parallel.ERASED_OPS: one graph per block, no graph
 break), 2026-12-02: 0.907x (02:21, load 3.9 -> 2.0; dtensor ahead in 5 of 5 rounds, spmd_types 1,682-1,781,
 dtensor 1,744-1,898 tokens/s), and the same plan with the typed eager islands instead, 0.917x (02:24, load

@@ -81,6 +81,38 @@ coalesced); at one block's 3 MB on 2 ranks an in-place all-reduce + chunk copy t
 list reduce_scatter 11.1 ms: no saving there either.  What is left between the sides is FSDP2's own
 collective waits (the same library) and load.
 
+gloo point-to-point collectives (``parallel/seq_collectives.py``, docs/torch_on_cpu.md §11: the spmd TP
+boundaries' sequence all-gather / reduce-scatter as isend/irecv + a local sum, and FSDP2's gradient
+reduce-scatter through ``set_custom_reduce_scatter``; half the bytes of gloo's clone + full all-reduce + chunk
+copy) and the vocab-parallel loss as one autograd Function (``parallel/vocab_parallel_loss.py``); losses and
+grad norms of 8 steps bitwise unchanged on both layouts.  Profile first (rank 0, TP 2, per step, 04:24, quiet:
+the rest of the machine 0.2-0.3 cores), TorchTitan spmd_types / ours before: self CPU 676 / 522 ms, mm 137 / 139
+ms (114 / 129 calls), SDPA fwd+bwd 79 / 82 ms, ours' collective waits 118 ms over 108 wait_tensor calls
+(reduce-scatter 63 ms / 52, all-gather 40 ms / 26, the FSDP norm-grad redistributes 12 ms / 26; TorchTitan's
+inside _ReduceScatterShard / _AllGatherShard 104 / 79 ms self), gloo's reduce-scatter input clone 4.8 ms,
+copies/casts 1,149 / 31 ms, the loss's autograd chain (zeros + scatter + add of a [1024, 1024] gradient).  Paired
+in-process A/B (the same 2 ranks alternating steps, 20-30 pairs, load 2.7-3.8): TP 2 P2P boundaries wall 473 ->
+437 ms per step, CPU 399 -> 369 ms (paired 1.073x / 1.067x); FSDP 2 reduce-scatter wall 670 -> 654 ms, CPU 628
+-> 614 (1.035x / 1.024x); loss fwd+bwd at [1024, 1024] per rank 16.7 -> 11.3 ms.  Measured 2026-12-02 04:52-05:11,
+TorchTitan spmd_types / ours before (aa64ceb) / ours after (f9648d2), medians of 3 alternating rounds, most
+rounds loaded (the rest of the machine up to 0.97 cores): CPU ms per step TP 2 468 / 433 / 385 (04:52 run) and
+461 / 422 / 421 (05:03 run, two of its after runs loaded), FSDP 2 660 / 628 / 606; the quiet rounds (the rest of
+the machine 0.00-0.02 cores): TP 2 916 / 990 / 1,138 tok/s/rank, after/TT 1.242x (fast quartile 1.229x), and 968
+/ 1,059 / 1,214, 1.254x (1.256x; CPU 446 / 405 / 357 ms); FSDP 2 1,485 / 1,650 / 1,735, 1.168x (before 1.111x;
+CPU 633 / 588 / 553 ms).  On a fully quiet machine (05:11-05:16, the rest of the machine 0.00-0.01 cores in every
+run, load1 1.2-2.0 = these runs), TorchTitan spmd_types / ours after: TP 2 1,060 / 1,266 tok/s/rank, ratio
+1.154x (rounds 1.154, 1.203, 1.154), fast quartile 1.139x, CPU ms per step 397 / 342 (CPU-work ratio 1.147);
+FSDP 2 1,575 / 1,771, 1.108x (1.088, 1.108, 1.137), fast quartile 1.097x, CPU 593 / 541 (1.079): quiet, TorchTitan
+runs faster than in the loaded rounds above, so the goal (>= 1.2x) is not met on either layout.  Quiet profile
+after (05:17, rank 0, TP 2, per step): self CPU TorchTitan 498 / ours 428 ms, mm 125 / 121, SDPA fwd+bwd 70 / 71,
+copies/casts 1,451 (41 ms) / 1,094 (15 ms), aten ops 7,645 / 6,144; ours' collectives: 52 isend + 52 irecv (12 +
+21 ms), the SP Functions' own time (their waits) 71 ms over 52 calls, 26 wait_tensor 14 ms, FSDP's norm-grad
+redistributes 4 ms; TorchTitan's _ReduceScatterShard / _AllGatherShard 53 / 45 ms + 38 wait_tensor 35 ms.  Ours
+still idles ~60 ms of a 404 ms step (wall minus CPU): the ~75 sync points a step, each a gloo wake-up and
+loopback transfer.  Tried and dropped: batching the Partial norm gradients of the grad-norm clip into one
+all-reduce (spmd_types TP-only: FSDP2 already reduces them in its post-backward, 13 blocking 256-element
+redistributes a step; nothing is Partial at the clip, no change).
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing

@@ -42,6 +42,13 @@ are R -- the rotary key ``k_pe`` that ``wkv_a`` makes is one R tensor shared by 
 (R joins V: V).  Each tp rank back-propagates through its own heads only, so their gradients are
 pending sums (R's backward type is P), reduced like the norms'.
 
+On gloo, with the checker off (erasure mode, the default), the sequence all-gathers and
+reduce-scatters of the eager boundaries run as direct point-to-point exchanges
+(:data:`P2P_OPS`, ``seq_collectives.py``, docs/torch_on_cpu.md §11: half the bytes of gloo's
+reduce-scatter, same values), and the loss is one autograd Function with the typed version's
+loss and gradient, bitwise (``vocab_parallel_loss.py``); under ``train.spmd_typecheck`` the typed
+collectives run.
+
 What a block keeps of its all-gathered inputs (workload key ``tp_activations``): ``gathered``
 (the default) lets every column-wise linear save the all-gathered ``[b, s, dim]`` input, as
 DTensor TP does; ``sharded`` is Megatron's sequence parallelism (Korthikanti et al. 2022,
