@@ -46,7 +46,7 @@ from .activation_checkpoint import apply_ac
 from .compile import apply_compile
 from .context_parallel import apply_cp
 from .expert_parallel import apply_ep
-from .fsdp import apply_fsdp, apply_fsdp_spmd, spmd_fsdp_supported
+from .fsdp import apply_fsdp, apply_fsdp_spmd, defer_tp_grad_reduction, spmd_fsdp_supported
 from .pipeline import pipeline_split
 from .spmd_context_parallel import apply_spmd_cp
 from .spmd_expert_parallel import apply_spmd_ep
@@ -176,6 +176,12 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         apply_fsdp_spmd(module, spmd_mesh(meshes, plan), param_dtype=precision.param_dtype,
                         reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward,
                         expert_mesh=expert_mesh, expert_divide_factor=plan.dp_cp)
+        if plan.tp > 1 and plan.pp == 1 and plan.n_microbatches == 1 and not typecheck:
+            # one all-reduce a step for the tp-pending grads (spmd_step.forward_backward runs it; exact on a
+            # one-rank dp axis with one micro-batch, fsdp.defer_tp_grad_reduction)
+            deferred = defer_tp_grad_reduction(module, spmd_mesh(meshes, plan))
+            if deferred:
+                module._deferred_tp_grads = (deferred, meshes.tp.get_group())
     elif uses_fsdp(plan, precision):
         apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                    reshard_after_forward=plan.reshard_after_forward,

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import spmd_types as spmd
 
 from ..models.layers import RMSNormFunction, Rotary
-from .fsdp import DP_AXES, spmd_loss, spmd_typecheck
+from .fsdp import DP_AXES, reduce_deferred_tp_grads, spmd_loss, spmd_typecheck
 from .spmd_context_parallel import spmd_cp_shard_batch
 from .spmd_tensor_parallel import vocab_parallel_cross_entropy
 from .tensor_parallel import cross_entropy
@@ -108,6 +108,9 @@ def forward_backward(model: nn.Module, tokens: torch.Tensor, labels: torch.Tenso
                 loss = cross_entropy(logits, lab) / n
             spmd_loss(loss, dp_mesh).backward()
         total += loss.detach().float()
+    deferred = getattr(model, "_deferred_tp_grads", None)
+    if deferred is not None:        # the tp-pending grads, summed in one all-reduce (fsdp.defer_tp_grad_reduction)
+        reduce_deferred_tp_grads(*deferred)
     return total
 
 
