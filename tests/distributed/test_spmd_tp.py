@@ -210,3 +210,34 @@ def test_the_typecheck_switch_runs_tp_steps_under_the_checker():
     run = run_titan(Plan(tp=2, microbatch=4), steps=2, extra={"train.spmd_typecheck": True})
     assert "backend spmd_types" in run.proc.stdout, run.proc.stdout[-2000:]
     assert_close_per_step(run.losses, _run("tp2", "spmd_types").losses[:2], 1e-6, "loss (checker on vs off)")
+
+
+# --------------------------------------------------------------------------- tp-pending grads: one all-reduce a step
+def _deferred_grads_case() -> dict:
+    """Which parameters of llama3-debug's TP plans have their tp-pending gradient summed after backward in one
+    all-reduce (fsdp.defer_tp_grad_reduction) instead of in FSDP's post-backward (fake process group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # test-only fake process group
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    out = {}
+    for name, plan, typecheck in (("tp2", Plan(tp=2, microbatch=2), False),
+                                  ("tp2 checker", Plan(tp=2, microbatch=2), True),
+                                  ("tp2 2 micro-batches", Plan(tp=2, microbatch=1, n_microbatches=2), False),
+                                  ("dp2xtp2", Plan(dp_shard=2, tp=2, microbatch=2), False)):
+        model = build_model_parts(load_model("llama3-debug"), plan, build_meshes(plan, "cpu"),
+                                  precision=Precision(torch.float32, torch.float32), backend="spmd_types",
+                                  device=torch.device("cpu"), typecheck=typecheck)[0][1]
+        deferred = getattr(model, "_deferred_tp_grads", None)
+        names = {id(p): n for n, p in model.named_parameters()}
+        out[name] = sorted(names[id(p)] for p in deferred[0]) if deferred else []
+    return out
+
+
+@needs_spmd
+def test_tp_pending_grads_are_summed_in_one_all_reduce_on_a_one_rank_dp_axis():
+    got = in_fresh_process(_deferred_grads_case)
+    n_layers = load_model("llama3-debug").n_layers
+    want = sorted([f"layers.{i}.{n}.weight" for i in range(n_layers) for n in ("attention_norm", "ffn_norm")]
+                  + ["norm.weight"])
+    assert got["tp2"] == want, got["tp2"]
+    # FSDP's own reduction where the sum order would change (dp ranks, micro-batches) and under the checker
+    assert got["tp2 checker"] == got["tp2 2 micro-batches"] == got["dp2xtp2"] == [], got
