@@ -109,7 +109,15 @@ copies/casts 1,451 (41 ms) / 1,094 (15 ms), aten ops 7,645 / 6,144; ours' collec
 21 ms), the SP Functions' own time (their waits) 71 ms over 52 calls, 26 wait_tensor 14 ms, FSDP's norm-grad
 redistributes 4 ms; TorchTitan's _ReduceScatterShard / _AllGatherShard 53 / 45 ms + 38 wait_tensor 35 ms.  Ours
 still idles ~60 ms of a 404 ms step (wall minus CPU): the ~75 sync points a step, each a gloo wake-up and
-loopback transfer.  Tried and dropped: batching the Partial norm gradients of the grad-norm clip into one
+loopback transfer.  Then the TP norms' pending grads in one all-reduce after backward on a one-rank dp axis
+(``fsdp.defer_tp_grad_reduction``, 9e49644: FSDP2's 13 blocking post-backward redistributes were 21.5 ms of that
+step; paired in-process A/B 752 -> 729 ms, 1.057x): 05:31-05:36, TorchTitan spmd_types / ours, medians of 3
+alternating rounds (round 1 and TP 2 round 2 loaded, the rest of the machine up to 0.86 cores), TP 2 1,115 /
+1,332 tok/s/rank, ratio 1.208x (rounds 1.988, 1.060, 1.208), fast quartile 1.243x, CPU ms per step 387 / 324
+(CPU-work ratio 1.202); the quiet round (0.00 cores): 1,115 / 1,347, 1.208x, fast quartile 1.226x.  FSDP 2 1,574 /
+1,756, 1.116x (1.328, 1.109, 1.116), fast quartile 1.117x, CPU 594 / 539 (1.064); quiet round 1.116x.  TP 2 reaches
+the goal of 1.2x on this machine, FSDP 2 does not (FSDP2's own all-gather / reduce-scatter schedule on both sides).
+Tried and dropped: batching the Partial norm gradients of the grad-norm clip into one
 all-reduce (spmd_types TP-only: FSDP2 already reduces them in its post-backward, 13 blocking 256-element
 redistributes a step; nothing is Partial at the clip, no change).
 
