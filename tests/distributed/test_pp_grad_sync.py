@@ -43,17 +43,18 @@ def test_every_microbatch_sync_matches_single_process(schedule, backend):
     assert run.proc.stderr.strip() == "", run.proc.stderr[-2000:]
 
 
-# counts FSDP2's reduce-scatters (torch 2.14 issues them as dist.reduce_scatter_single) in each worker process
+# counts FSDP2's gradient reductions (one foreach_reduce per FSDP unit and reduction; its collective may be
+# gloo's reduce-scatter or titan-run's direct exchange, fsdp.GlooReduceScatter) in each worker process
 COUNT_HOOK = """
 import os
 if os.environ.get("LOCAL_RANK") is not None and os.environ.get("PPG_COUNT_DIR"):
-    import torch.distributed as dist
-    _orig = dist.reduce_scatter_single
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as _group   # private in torch 2.14
+    _orig = _group.foreach_reduce
     def _counted(*args, **kwargs):
         with open(os.path.join(os.environ["PPG_COUNT_DIR"], os.environ["LOCAL_RANK"]), "a") as f:
             f.write("x")
         return _orig(*args, **kwargs)
-    dist.reduce_scatter_single = _counted
+    _group.foreach_reduce = _counted
 """
 
 
