@@ -95,16 +95,12 @@ def cmd_estimate(args) -> int:
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
                          gpus_per_node=q.gpus_per_node, float8_supported=hw.supports_float8)
-    problems = C.check_plan(plan, target, tp_within_node=False)
     # titan-run's own limits (the pipeline runtime's micro-batch rules, tied embeddings under tp/pp, virtual
     # stages without a layer): other frameworks run such layouts, so they are predicted, with a note
-    titan_run_only = {C.R_MICRO: "schedule", C.R_TIED: "layout"}
-    if plan.pp <= model.n_layers:       # more virtual stages than layers: some hold only the embedding or head
-        titan_run_only[C.R_PP_LAYERS] = "layout"
-    illegal = [m for r, m in problems if r not in titan_run_only]
+    illegal = [m for _, m in C.check_plan(plan, target, tp_within_node=False, runnable=False)]
     if illegal:
         raise PlanError(f"layout is not legal: {illegal[0]}")
-    not_runnable = [(titan_run_only[r], m) for r, m in problems if r in titan_run_only]
+    not_runnable = C.titan_run_limits(plan, target)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
     plan, est, row, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)

@@ -15,6 +15,9 @@ Three groups:
   micro-batch count; `Plan` refuses by default, ``Plan(..., runnable=False)`` lets a
   what-if estimate of another framework's layout through, and `check_plan` reports it;
 * `TARGET_RULES`: the plan against the world, the model and the workload.
+
+`TITAN_RUN_LIMITS` are the rules (the runtime's micro-batch rules among them) that only titan-run
+imposes; ``check_plan(..., runnable=False)`` leaves them out and `titan_run_limits` lists them.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import numpy as np
 # reason names, in the order the enumerator applies them
 R_TP_SHAPE = "tp does not divide heads, kv heads or FFN width"
 R_TP_NODE = "tp spans more than one node"
+R_PP_RANKS = "more pipeline ranks than layers"
 R_PP_LAYERS = "more pipeline stages than layers"
 R_SEQ = "seq_len not divisible by 2*cp*tp (cp>1) or tp"
 R_EP = "ep does not divide experts and dp_shard*cp"
@@ -135,6 +139,11 @@ TP_SHAPE = Rule(
 TP_NODE = Rule(
     R_TP_NODE, lambda p, t: p.tp <= t.gpus_per_node,
     lambda p, t: f"tp={p.tp} > {t.gpus_per_node} devices per node")
+PP_RANKS = Rule(
+    R_PP_RANKS, lambda p, t: p.pp <= t.n_layers,
+    lambda p, t: f"pp = {p.pp} > {t.n_layers} layers: a pipeline rank would hold no layer")
+# titan-run's split gives every virtual stage a layer; other frameworks run more virtual stages than
+# layers (Zero Bubble's interleaved 1F1B: chunks holding only the embedding or the head)
 PP_LAYERS = Rule(
     R_PP_LAYERS, lambda p, t: p.n_stages <= t.n_layers,
     lambda p, t: f"pp*stages_per_rank = {p.n_stages} > {t.n_layers} layers")
@@ -160,10 +169,13 @@ TIED = Rule(
 
 PLAN_RULES = (EP_MESH, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
 RUNTIME_RULES = (MICRO_COUNT, MICRO_ROUNDS)
-TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8, TIED)
+TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8, TIED)
+# the rules that are titan-run's limits, not laws of the layout, with what they limit: a what-if
+# estimate of another framework's layout predicts past them, saying so in one line
+TITAN_RUN_LIMITS = {MICRO_COUNT: "schedule", MICRO_ROUNDS: "schedule", TIED: "layout", PP_LAYERS: "layout"}
 
 
-CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_LAYERS, SEQ, EP_EXPERTS, EP_MESH, BATCH, MICRO_COUNT, MICRO_ROUNDS,
+CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, EP_MESH, BATCH, MICRO_COUNT, MICRO_ROUNDS,
                FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED)
 assert set(CHECK_ORDER) == set(PLAN_RULES + RUNTIME_RULES + TARGET_RULES)
 
@@ -171,14 +183,21 @@ assert set(CHECK_ORDER) == set(PLAN_RULES + RUNTIME_RULES + TARGET_RULES)
 def rules(*, tp_within_node: bool = True, runnable: bool = True) -> tuple[Rule, ...]:
     """Every rule, in the order `check_plan` reports them."""
     return tuple(r for r in CHECK_ORDER if (tp_within_node or r is not TP_NODE)
-                 and (runnable or (r not in RUNTIME_RULES and r is not TIED)))
+                 and (runnable or r not in TITAN_RUN_LIMITS))
 
 
 def check_plan(plan: Any, t: Target, *, tp_within_node: bool = True,
                runnable: bool = True) -> list[tuple[str, str]]:
     """Every rule `plan` breaks for target `t`, as (reason, message) pairs.
 
-    With ``runnable=False`` the rules of titan-run's pipeline runtime are left out (what-if estimates).
+    With ``runnable=False`` titan-run's own limits (`TITAN_RUN_LIMITS`) are left out (what-if estimates).
     """
     return [(r.reason, r.message(plan, t)) for r in rules(tp_within_node=tp_within_node, runnable=runnable)
             if not r.ok(plan, t)]
+
+
+def titan_run_limits(plan: Any, t: Target) -> list[tuple[str, str]]:
+    """The `TITAN_RUN_LIMITS` `plan` breaks for target `t`, as (what is limited: 'schedule' or 'layout',
+    message) pairs, in `check_plan`'s order."""
+    return [(TITAN_RUN_LIMITS[r], r.message(plan, t)) for r in CHECK_ORDER
+            if r in TITAN_RUN_LIMITS and not r.ok(plan, t)]
