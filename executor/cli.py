@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from search_spaces.plan import Plan
-from search_spaces.typed import InputError
+from search_spaces.typed import InputError, OneLineArgumentParser
 
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 from .elastic import launcher_world, load_elastic_config
@@ -39,13 +39,13 @@ EXIT_BAD_INPUT = 2
 
 def build_parser() -> argparse.ArgumentParser:
     """titan-run's training flags (export / import and --dry-run have their own parsers, see main)."""
-    p = argparse.ArgumentParser(prog="titan-run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Plan file keys: model, hardware, workload {seq_len, global_batch}, plan {...}, "
-                                       "train {steps, lr, warmup, seed, data, tokenizer, dtype, ...}. "
-                                       "Subcommands: 'titan-run import --hf DIR --out CKPT' (a Hugging Face "
-                                       "folder; model=hf:DIR), 'titan-run export --checkpoint CKPT --hf-dir DIR' "
-                                       "(for from_pretrained) or --out FILE.safetensors; see their --help.")
+    p = OneLineArgumentParser(prog="titan-run", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="Plan file keys: model, hardware, workload {seq_len, global_batch}, plan {...}, "
+                                     "train {steps, lr, warmup, seed, data, tokenizer, dtype, ...}. "
+                                     "Subcommands: 'titan-run import --hf DIR --out CKPT' (a Hugging Face "
+                                     "folder; model=hf:DIR), 'titan-run export --checkpoint CKPT --hf-dir DIR' "
+                                     "(for from_pretrained) or --out FILE.safetensors; see their --help.")
     p.add_argument("--plan", help="plan YAML (as written by titan-plan); default: llama3-debug on the local devices")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, dest="nproc",
                    help="worker processes (default: the GPUs; without a GPU, the plan's world size, or 2)")

@@ -19,7 +19,6 @@ spent. The JSON it prints (``--json``) is what the planner reads.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -35,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from search_spaces.planfile import read_plan_file
+from search_spaces.typed import OneLineArgumentParser
 
 from .config import ConfigError, load_run_config
 from .dry_run_step import fake_step_peak
@@ -107,7 +107,7 @@ def _mib(v: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="titan-run --dry-run", description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(prog="titan-run --dry-run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="plan file")
     ap.add_argument("--world", type=int, help="target world size (default: the plan's degrees' product)")
     ap.add_argument("--ranks", help="comma-separated ranks to inspect (default: first rank of each pp stage)")

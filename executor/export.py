@@ -41,7 +41,6 @@ Linear weights <-> our grouped ``experts.w1/w2/w3``); others are refused.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -54,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from cost_models import hf_config
 from cost_models.specs import load_model
+from search_spaces.typed import OneLineArgumentParser
 
 from .checkpoint_files import (FORMAT, MARKER, META, CheckpointError, dcp_load, manifest, model_fingerprint, problem,
                                read_meta)
@@ -339,7 +339,7 @@ def import_safetensors(src: Path | list[Path], model: str, out: Path, *, source:
 
 def main(argv: list[str]) -> int:
     cmd, rest = argv[0], argv[1:]
-    p = argparse.ArgumentParser(prog=f"titan-run {cmd}", description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(prog=f"titan-run {cmd}", description=__doc__.split("\n")[0])
     if cmd == "export":
         p.add_argument("--checkpoint", required=True, help="a complete checkpoint folder (step-N)")
         to = p.add_mutually_exclusive_group(required=True)

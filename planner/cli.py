@@ -18,7 +18,7 @@ import sys
 from cost_models.specs import load_hardware, load_model, preset_names
 from search_spaces.plan import AC_MODES, BACKENDS, SCHEDULES
 from search_spaces.space import load_space, space_names
-from search_spaces.typed import MAX_WORLD_SIZE, InputError, show
+from search_spaces.typed import MAX_WORLD_SIZE, InputError, OneLineArgumentParser, show
 
 from . import calibrate as cal
 from .inputs import UsageError, add_input_flags, parse_tokens, resolve_inputs
@@ -87,7 +87,7 @@ def check_counts(args) -> None:
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="titan-plan",
         description="Enumerate every DP x PP x TP x CP x EP layout (plus micro-batch, pipeline schedule, "
                     "activation checkpointing, FSDP resharding, compile, float8) of a model over N devices, "

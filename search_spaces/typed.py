@@ -21,6 +21,7 @@ the user-input errors, which the command-line tools turn into exit code 2.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import functools
@@ -35,6 +36,14 @@ MAX_WORLD_SIZE = 2 ** 20     # 1,048,576 devices: the most a plan, --gpus or --w
 MAX_SHOWN = 60               # characters of a value quoted in an error message
 
 T = TypeVar("T")
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, as every other refusal: ``PROG: error: MESSAGE (see 'PROG
+    --help')`` on stderr, exit 2, instead of the whole usage block before the message."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 class InputError(ValueError):
