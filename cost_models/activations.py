@@ -76,8 +76,8 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     Adapted here: GQA/MLA widths from `attention_dims` (MLA also keeps its two normalized low-rank
     latents, the up projections' inputs); SwiGLU keeps gate and up outputs (eager autograd also
     keeps silu(gate) and the product: 4 tensors of width ffn_hidden; a compiled SwiGLU 2, the
-    partitioner recomputing the product; Megatron's fused bias-SwiGLU 3: its input and the down
-    projection's input); fused (flash/SDPA) attention keeps no s x s scores but its output O and
+    partitioner recomputing the product; a fused SwiGLU kernel, ``Workload.swiglu_impl`` (Megatron's
+    bias-SwiGLU), 3: its input and the down projection's input); fused (flash/SDPA) attention keeps no s x s scores but its output O and
     the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan RMSNorm upcasts to fp32
     and keeps the fp32 input plus the bf16 normalized output (3x the bf16 width), a fused norm
     keeps its input, titan-run's eager norm (``norm_impl: auto`` uncompiled) its input and the
@@ -148,12 +148,12 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     col_in = FULL if workload.tp_keeps_gathered else SEQ    # where a column-parallel input lives
     t[SEQ] = 2 * _norm_saved_bytes(model, workload, compiled, e, h) + 2 * drop * h   # two norms, two dropout masks
     t[col_in] += 2 * lin * h                          # QKV and FFN inputs
-    # GQA K/V expansion: the executor (CoreAttention, repeat_interleave) and TorchTitan (repeat_kv)
-    # expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
+    # GQA K/V expansion (``Workload.gqa_kv``): the executor (CoreAttention, repeat_interleave) and TorchTitan
+    # (repeat_kv) expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
     # K (after RoPE) and V are not saved (repeat's backward needs no input), so they are freed.
     # Megatron's fused kernels take GQA K/V as they are.  (Measured with saved_tensors_hooks on
     # llama3-debug: Q, K and V saved at n_heads * head_dim each.)
-    if workload.state_layout == "fsdp2" and model.attention != "mla":
+    if workload.gqa_kv_expanded and model.attention != "mla":
         d_k = d_v = d_o
     t[SHARD] = e * (d_qk + d_k + d_v) + saved.attn_out * d_o     # Q, K, V (RoPE applied) and out-proj input
     if model.attention == "mla":                      # the normalized latents: the up projections' inputs
@@ -193,7 +193,7 @@ def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, saved: _Sav
     fine-grained recipe, "Inputs of the SwiGLU operator in MoE"; the shared experts, which the report does
     not name, keep the compute dtype)."""
     lin = saved.lin
-    fused_mlp = workload.state_layout == "megatron"   # Megatron's fused bias-SwiGLU (compiled) keeps the fc2 input
+    fused_mlp = workload.swiglu_fused                 # a fused SwiGLU kernel: its output is the kept fc2 input
     if not moe:
         return np.array([sum(_saved_ffn_parts(model, model.ffn_hidden, e, lin, compiled, fused_mlp)), 0.0, 0.0, 0.0])
     k, w = model.top_k, model.moe_ffn_hidden
@@ -243,8 +243,10 @@ def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
     if model.mlp != "swiglu":
         return e * width, lin * width                 # GeLU input, its output (= fc2 input)
     g = e if gate_up is None else gate_up
-    if compiled:                                      # gate, up; the product only when Megatron-fused
-        return 2 * g * width, (lin * width if fused_mlp else 0.0)
+    if fused_mlp:                                     # one kernel: gate and up; the product is fc2's input
+        return 2 * g * width, lin * width
+    if compiled:                                      # the partitioner keeps gate and up, recomputing the product
+        return 2 * g * width, 0.0
     return (2 * g + e) * width, lin * width           # eager: gate, up, silu(gate); the product
 
 

@@ -132,6 +132,19 @@ class Workload:
     tile; the input of the linear after attention cached once, in E5M6 (1.5 bytes), for both that linear's
     and the attention's backward; the inputs of the MoE experts' SwiGLU cached in fp8).
 
+    ``swiglu_impl`` is the SwiGLU kernel, which sets what an FFN keeps of ``silu(gate) * up``: ``eager``
+    (autograd of the plain code: silu keeps gate, the product keeps silu(gate) and up, the down projection
+    keeps the product: 4 tensors of width ffn_hidden; a compiled block's partitioner keeps gate and up only
+    and recomputes the rest: 2) or ``fused`` (one activation kernel keeping its inputs gate and up, its
+    output being the down projection's kept input: 3, compiled or not -- Megatron's bias-SwiGLU
+    ``bias_swiglu_impl``, Transformer Engine's, Liger's ``LigerSiLUMulFunction``); ``auto`` is ``fused`` for
+    the megatron layout and ``eager`` for fsdp2 (titan-run, TorchTitan).
+    ``gqa_kv`` is how the attention kernel takes grouped-query K and V (models with fewer kv heads than
+    heads): ``expanded`` (titan-run and TorchTitan repeat K and V to n_heads before SDPA, which saves the
+    expanded copies) or ``native`` (the kernel reads the kv heads as they are and keeps K and V at
+    n_kv_heads width: flash-attn, cuDNN and Transformer Engine attention, hence Megatron); ``auto`` is
+    ``expanded`` for fsdp2 and ``native`` for megatron.
+
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
@@ -168,6 +181,8 @@ class Workload:
     moe_weighting: Literal["auto", "combine", "activation"] = "auto"   # where router weights multiply
     ep_dispatch: Literal["auto", "every_copy", "per_node"] = "auto"   # how EP tokens cross nodes
     norm_impl: Literal["auto", "eager", "fused", "composite"] = "auto"     # the RMSNorm/LayerNorm kernel
+    swiglu_impl: Literal["auto", "eager", "fused"] = "auto"   # the SwiGLU activation kernel
+    gqa_kv: Literal["auto", "expanded", "native"] = "auto"    # GQA K/V: repeated to n_heads, or as they are
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     moment_dtype: Literal["fp32", "bf16"] = "fp32"            # AdamW's exp_avg and exp_avg_sq
     float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
@@ -233,6 +248,21 @@ class Workload:
     def pp_defers_grad_sync(self) -> bool:
         """True when, under a pipeline, the gradient reduction waits for the last micro-batch."""
         return self.pp_grad_sync == "last_microbatch"
+
+    @property
+    def swiglu_fused(self) -> bool:
+        """``swiglu_impl`` with ``auto`` resolved by the state layout: True for one fused activation kernel."""
+        if self.swiglu_impl != "auto":
+            return self.swiglu_impl == "fused"
+        return self.state_layout == "megatron"
+
+    @property
+    def gqa_kv_expanded(self) -> bool:
+        """``gqa_kv`` with ``auto`` resolved by the state layout: True when K and V are repeated to n_heads
+        before the attention kernel (and saved so)."""
+        if self.gqa_kv != "auto":
+            return self.gqa_kv == "expanded"
+        return self.state_layout == "fsdp2"
 
     def norm_fused(self, compiled: bool) -> bool:
         """``norm_impl`` with ``auto`` / ``composite`` resolved by compile: a compiled block's norm is fused."""

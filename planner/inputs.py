@@ -30,7 +30,7 @@ DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
-                  "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "grad_dtype", "loss_impl",
+                  "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "swiglu_impl", "gqa_kv", "grad_dtype", "loss_impl",
                   "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_grad_sync",
                   "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "float8_cache")
 WORKLOAD_HELP = {
@@ -56,6 +56,12 @@ WORKLOAD_HELP = {
                  "and the fp32 rstd), eager (PyTorch's composite: keeps the fp32 upcast and the normalized output), "
                  "fused (one kernel keeping its input: Apex/TE/Triton) or composite (PyTorch's nn.RMSNorm as "
                  "TorchTitan runs it: fused when compiled, else eager)",
+    "swiglu_impl": "SwiGLU kernel: auto (default: fused for megatron, else eager), eager (autograd of the plain "
+                   "code keeps gate, up, silu(gate) and the product; 2 of them when compiled: titan-run, TorchTitan) "
+                   "or fused (one kernel keeping gate and up, the down projection its input: Megatron, TE, Liger)",
+    "gqa_kv": "how attention takes grouped-query K/V: auto (default: expanded for fsdp2, native for megatron), "
+              "expanded (repeated to n_heads before SDPA and saved so: titan-run, TorchTitan) or native (kept at "
+              "n_kv_heads: flash-attn, cuDNN, Transformer Engine)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "

@@ -48,7 +48,7 @@ def test_help():
 BAD = [
     ({"dp_shard": 4, "microbatch": 1}, None, 2, "world size is 2"),
     ({"tp": 3, "microbatch": 4}, None, 3, "tp=3 must divide n_heads=8"),
-    ({"pp": 8, "n_microbatches": 8, "microbatch": 4, "dp_shard": 1}, None, 8, "pp*stages_per_rank = 8 > 4 layers"),
+    ({"pp": 8, "n_microbatches": 8, "microbatch": 4, "dp_shard": 1}, None, 8, "pp = 8 > 4 layers: a pipeline rank would hold no layer"),
     ({"dp_shard": 2, "microbatch": 2, "sharding": 1}, None, 2, "unknown key 'sharding'"),
     ({"dp_shard": 2, "microbatch": 2}, {"lrr": 1.0}, 2, "unknown key 'lrr'"),
     ({"dp_shard": 2, "microbatch": 2, "ac": "some"}, None, 2, "plan key 'ac' must be one of"),

@@ -130,10 +130,21 @@ def test_block_activations_match_saved_tensors_of_the_executor_model():
     wl = Workload(seq_len=256, global_batch=8, dtype="fp32")
     kept, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, wl, Coefficients(), moe=False)
     assert kept[0] == pytest.approx(40 * 2 ** 20 + 8 * 2048 * 4 + 2 * 2048 * 4, rel=1e-12)
-    # Megatron's kernels take GQA K/V un-expanded: 2 x 1 MiB less
-    meg, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, Workload(seq_len=256, global_batch=8,
-                                        dtype="fp32", state_layout="megatron"), Coefficients(), moe=False)
-    assert kept[0] - meg[0] == pytest.approx(2 * 2 ** 20, rel=1e-12)
+
+    def kept_with(**kw):
+        w = Workload(seq_len=256, global_batch=8, dtype="fp32", **kw)
+        return per_layer_activation_bytes(table(Plan(microbatch=8)), m, w, Coefficients(), moe=False)[0][0]
+
+    # GQA K/V taken as they are (workload gqa_kv): K and V at n_kv_heads width, 2 x 1 MiB less; a fused
+    # SwiGLU kernel (swiglu_impl) keeps gate and up, the down projection the product: silu(gate), one
+    # [2048 tokens, 768] fp32 tensor = 6 MiB, less
+    gqa, swiglu = 2 * 2 ** 20, 2048 * m.ffn_hidden * 4
+    assert kept[0] - kept_with(gqa_kv="native") == pytest.approx(gqa, rel=1e-12)
+    assert kept[0] - kept_with(swiglu_impl="fused") == pytest.approx(swiglu, rel=1e-12)
+    # Megatron's kernels do both (auto), and with the two keys stated otherwise keep what titan-run keeps
+    assert kept[0] - kept_with(state_layout="megatron") == pytest.approx(gqa + swiglu, rel=1e-12)
+    assert kept_with(state_layout="megatron", gqa_kv="expanded", swiglu_impl="eager") == pytest.approx(kept[0],
+                                                                                                       rel=1e-12)
 
 
 def test_gpipe_keeps_the_logits_of_all_microbatches_on_the_loss_stage():

@@ -1,0 +1,98 @@
+"""Workload keys ``swiglu_impl`` / ``gqa_kv``: the SwiGLU kernel and how attention takes grouped-query K/V, by
+flag and plan file (both were tied to ``state_layout`` before: fsdp2 = titan-run's eager SwiGLU and expanded
+K/V, megatron = fused SwiGLU and native K/V).  What each keeps is counted on the executor model's own saved
+tensors in tests/test_memory.py; here, the keys on a flagship layout and through the CLI."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from cost_models.coefficients import Coefficients
+from cost_models.estimate import GIB, estimate
+from cost_models.specs import SpecError, load_hardware, load_model
+from cost_models.workload import Workload
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
+from tests.cost_model_helpers import assert_titan_run_refuses, planner_cli
+
+H100 = load_hardware("h100-sxm")
+L405 = load_model("llama3-405b")
+# the Llama 3 paper's 405B layout at 8K (arXiv:2407.21783 Table 4): TP 8, PP 16, DP 128, no recompute
+PLAN = Plan(tp=8, pp=16, dp_shard=128, microbatch=1, n_microbatches=16, schedule="Interleaved1F1B",
+            stages_per_rank=2, ac="none", runnable=False)
+ESTIMATE = ["estimate", "--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
+            "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B", "--ac", "none",
+            "--json"]
+
+
+def _activations(**kw) -> float:
+    wl = Workload(seq_len=8192, global_batch=2048, **kw)
+    return float(estimate(CandidateTable.from_plans([PLAN]), L405, H100, wl, Coefficients()).memory["activations"][0])
+
+
+def test_each_key_removes_what_it_names_on_the_405b_layout():
+    """Per layer and micro-batch on a TP 8 rank (8,192 tokens, bf16): native K/V saves (128 - 8) x 128 x 2 (K
+    and V) / 8 x 2 bytes per token less; a fused SwiGLU one ffn-width tensor (53,248 / 8 x 2 bytes) less.  The
+    ratio of the two savings does not depend on the in-flight count."""
+    base = _activations()
+    gqa = base - _activations(gqa_kv="native")
+    swiglu = base - _activations(swiglu_impl="fused")
+    per_tok_gqa = 2 * (L405.n_heads - L405.n_kv_heads) * L405.head_dim / 8 * 2
+    per_tok_swiglu = L405.ffn_hidden / 8 * 2
+    assert gqa > 0 and swiglu > 0
+    assert gqa / swiglu == pytest.approx(per_tok_gqa / per_tok_swiglu, rel=1e-9)
+    both = base - _activations(gqa_kv="native", swiglu_impl="fused")
+    assert both == pytest.approx(gqa + swiglu, rel=1e-9)
+    # the megatron layout's defaults are these two kernels: stating titan-run's restores the fsdp2 figure
+    # of the same terms (the layout's other regimes -- TP shards, Megatron's loss -- are held fixed)
+    meg = dict(state_layout="megatron", zero=1, tp_activations="gathered", pp_sent_tensors="kept", loss_impl="eager",
+               moe_weighting="combine", grad_accum="autograd")
+    assert _activations(**meg) == pytest.approx(base - gqa - swiglu, rel=1e-9)
+    assert _activations(**meg, gqa_kv="expanded", swiglu_impl="eager") == pytest.approx(base, rel=1e-9)
+
+
+def test_gqa_kv_does_nothing_without_grouped_query_attention():
+    m = load_model("llama3-debug")
+    m = dataclasses.replace(m, name="mha-debug", n_kv_heads=m.n_heads)
+    plan = Plan(microbatch=2)
+    got = [float(estimate(CandidateTable.from_plans([plan]), m, H100,
+                          Workload(seq_len=256, global_batch=2, gqa_kv=v), Coefficients()).memory["activations"][0])
+           for v in ("expanded", "native")]
+    assert got[0] == got[1]
+
+
+def test_bad_values_are_refused_in_one_line():
+    for key, bad, allowed in (("swiglu_impl", "liger", "auto, eager, fused"),
+                              ("gqa_kv", "grouped", "auto, expanded, native")):
+        with pytest.raises(SpecError) as ei:
+            Workload(seq_len=64, global_batch=4, **{key: bad})
+        msg = str(ei.value)
+        assert "\n" not in msg and key in msg and bad in msg and allowed in msg, msg
+        r = planner_cli(*ESTIMATE, f"--{key.replace('_', '-')}", bad)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and bad in r.stderr, r.stderr
+
+
+def test_flags_plan_file_and_json_echo(tmp_path):
+    plain = json.loads(planner_cli(*ESTIMATE).stdout)
+    assert plain["workload"]["swiglu_impl"] == "auto" and plain["workload"]["gqa_kv"] == "auto"
+    r = planner_cli(*ESTIMATE, "--swiglu-impl", "fused", "--gqa-kv", "native")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["workload"]["swiglu_impl"] == "fused" and doc["workload"]["gqa_kv"] == "native"
+    saved = plain["predicted"]["memory_gib"]["activations"] - doc["predicted"]["memory_gib"]["activations"]
+    want = (_activations() - _activations(gqa_kv="native", swiglu_impl="fused")) / GIB
+    assert saved == pytest.approx(want, rel=1e-3) and saved > 1.0
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({"model": "llama3-405b", "plan": PLAN.to_dict(), "workload": {
+        "seq_len": 8192, "global_batch": 2048, "swiglu_impl": "fused", "gqa_kv": "native"}}))
+    via_file = planner_cli(*ESTIMATE, "--plan", str(plan_file))
+    assert via_file.returncode == 0, via_file.stderr
+    assert json.loads(via_file.stdout)["predicted"]["memory_gib"] == doc["predicted"]["memory_gib"]
+
+
+def test_titan_run_refuses_what_it_does_not_run(tmp_path):
+    assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused", ["auto", "eager"])
+    assert_titan_run_refuses(tmp_path, "gqa_kv", "native", ["auto", "expanded"])
