@@ -28,6 +28,7 @@ from search_spaces.table import CandidateTable
 
 from . import report
 from .inputs import read_question, resolve_inputs
+from .remedies import format_remedies, remedies
 
 
 def estimate_layout(args, given: dict) -> dict:
@@ -107,11 +108,13 @@ def cmd_estimate(args) -> int:
     blocker = a2a_overlap_blocker(plan, workload)
     overlap_note = (f"ep_a2a_overlap 'combined_1f1b' does not apply to this layout ({blocker}); its all-to-alls "
                     "are counted exposed" if blocker else None)
+    # what would make it fit: one change each, or several together (planner/remedies.py)
+    rem = None if est.fits[row] else remedies(plan, model, hw, workload, q.coeffs, float(est.peak_memory_bytes[row]))
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,
                           "note": note, "ac_note": ac_note, "overlap_note": overlap_note,
-                          "predicted": report.predicted(est, row)}, indent=2))
+                          "predicted": report.predicted(est, row), "remedies": rem}, indent=2))
         return 0
     print(f"{model.name} on {gpus} x {hw.name}: {plan.layout_str()}  {plan.knobs_str()}")
     print(q.workload_line())
@@ -119,4 +122,6 @@ def cmd_estimate(args) -> int:
         if line:
             print(f"note: {line}")
     print(report.format_breakdown(est, row))
+    if rem is not None:
+        print("\n".join(format_remedies(rem, float(est.peak_memory_bytes[row]) / GIB, est.capacity_bytes / GIB)))
     return 0
