@@ -56,7 +56,10 @@ framework):
   `measured.tokens_per_sec_total` (the whole job's) as that / GPUs; `measured.tflops_per_gpu_with_recompute`
   (Narayanan et al. 2021, arXiv:2104.04473, eq. 3, which counts the recompute forward) by that count per token.
 * megatron-lm-2021 (Narayanan et al. 2021's Megatron-LM on Selene): the megatron-2022 regime (fused softmax,
-  dropout); its rows state zero 0 and no sequence parallelism (neither existed yet); ZeRO-3 rows: fsdp.
+  dropout); its rows state zero 0 and no sequence parallelism (neither existed yet).  The same paper's ZeRO-3 rows
+  (framework deepspeed-zero3-2021: the DeepSpeed releases before the paper, v0.3.13-14) have no rules: they are
+  kept with their reason, no regime describes them (docs/reference_data.md, "ZeRO-3 of 2021 (Narayanan et al.
+  Table 2)").
 * nemo-megatron-2022 (NeMo Megatron 22.09 launcher configs, A100): the Megatron rules with the
   Korthikanti regime (fused softmax, i.e. materialized attention, and dropout; sequence parallel as
   the config says), no TP overlap (userbuffers came later).  megatron-deepspeed-2022 (BLOOM's
@@ -163,14 +166,13 @@ SETS = ("shared", "extra")
 # each row's `framework:` -> its regime in cost_models/frameworks.py (`titan-plan estimate --framework`)
 FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-2022", "megatron": "megatron-lm",
                 "mbridge": "megatron-bridge", "nemo": "nemo", "megatron-deepspeed-2022": "megatron-deepspeed",
-                "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "torchtitan",
+                "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "llama3-meta",
                 "megatron-lm-2021": "megatron-2022",   # Narayanan et al. 2021: the same fused softmax and dropout
                 "fms-fsdp": "torchtitan",   # IBM fms-fsdp: PyTorch FSDP, SDPA, eager cross-entropy (no fused kernels)
                 "megatron-lm-2024": "megatron-lm",   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4, Zero Bubble)
-                # DeepSeek's HAI-LLM (arXiv:2412.19437 Sec. 3.2): ZeRO-1 data parallelism, bf16 compute with fp32 master
-                # weights and gradients (Sec. 3.3.3), fused kernels: the megatron layout's state and kernels
-                "deepseek-hai-llm": "megatron-lm"}
-MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if v.startswith("megatron") or v == "nemo")
+                "deepseek-hai-llm": "deepseek-hai-llm"}   # cost_models/frameworks.py cites both stacks' facts
+# the sources whose framework holds Megatron's state (and fused kernels): the megatron rules below
+MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if get_framework(v).workload.get("state_layout") == "megatron")
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
                      if get_framework(FRAMEWORK_OF[k]).workload.get("attention_impl") == "materialized")
@@ -357,13 +359,6 @@ def build_case(row) -> Case:
         kw.update(selective_ac="modules", recompute_modules=modules)
     if fp16_ds:                 # 16-bit gradients accumulated by autograd
         kw.update(grad_dtype="bf16", grad_accum="autograd")
-    if source == "llama3-meta":
-        # the paper's TP is Korthikanti et al.'s (cited in Sec. 3.3.2), which keeps the sequence shard of
-        # each all-gathered input (Sec. 4.2.2), not DTensor's gathered copy
-        kw["tp_activations"] = "sharded"
-        # Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each pipeline stage", and
-        # "our use of FSDP ... shards optimizer states and gradients" (each micro-batch's, under the pipeline)
-        kw.update(pp_sent_tensors="freed", pp_grad_sync="every_microbatch")
     for key in ("moment_dtype", "float8_cache"):   # stated precisions of what is stored (optimizer, activations)
         if par.get(key):
             kw[key] = str(par[key])
