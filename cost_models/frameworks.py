@@ -61,6 +61,18 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               why="fused softmax and dropout, no sequence parallelism; the BF16 optimizer copies each micro-"
                   "batch's gradients into fp32 (update_hp_grads); the pipeline engine's ReduceGrads runs after "
                   "the last backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
+    Framework("llama3-meta", "Meta's Llama 3 training stack (arXiv:2407.21783 Sec. 3.3.2: FSDP x TP x PP x CP)",
+              {"selective_ac": "op", "norm_impl": "composite", "tp_activations": "sharded",
+               "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch"},
+              why="its TP is Korthikanti et al.'s sequence parallelism (cited), which keeps the sequence shard; "
+                  "'we proactively deallocate ... the input and output tensors of each pipeline stage'; 'our use "
+                  "of FSDP ... shards optimizer states and gradients' (each micro-batch's, under the pipeline); "
+                  "the rest as TorchTitan's (PyTorch FSDP2 and DTensor)"),
+    Framework("deepseek-hai-llm", "DeepSeek's HAI-LLM (arXiv:2412.19437 Sec. 3.2-3.3: ZeRO-1, fused kernels, FP8)",
+              {**_MEGATRON, "moment_dtype": "bf16", "float8_cache": "fine_grained"},
+              why="ZeRO-1 data parallelism with fp32 master weights and gradients (Sec. 3.3.3), the megatron "
+                  "layout's state and kernels; BF16 AdamW moments and the fine-grained FP8 activation caching "
+                  "of Sec. 3.3.3 (read with --float8)"),
 )}
 ALIASES = {"nemo": "megatron-bridge"}         # NeMo 2 runs Megatron-core through the same recipes
 
