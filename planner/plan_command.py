@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from cost_models.specs import load_hardware
 from search_spaces.planfile import write_plan_file
 from search_spaces.space import load_space
 
@@ -14,7 +15,7 @@ from .dry_run import dry_run_candidates, format_row
 from .inputs import PlanInputs, UsageError, read_question, resolve_inputs
 from .local import detect_local_devices
 from .plot import pareto_plot
-from .rank import plan_candidates
+from .rank import PlanningError, plan_candidates, smallest_fitting_world
 from .trials import TrialSettings, run_trials
 
 
@@ -26,11 +27,25 @@ def _default_space(model, workload) -> str:
 
 def cmd_plan(args) -> int:
     t0 = time.perf_counter()
-    q = resolve_inputs(args, read_question(args.plan_file, args)[1], where=str(args.plan_file or "plan file"))
+    d = read_question(args.plan_file, args)[1]
+    q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     space = load_space(args.space or _default_space(q.model, q.workload))
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
                           coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by)
     elapsed = time.perf_counter() - t0
+    if not res.n_feasible and res.n_candidates:     # legal layouts, none fits: say how many devices would do
+        # a node shape the question states is kept; else the hardware's own (a small world had fewer per node)
+        stated = args.gpus_per_node is not None or d.get("gpus_per_node") is not None
+        hw = q.hardware if stated or q.hardware.device == "cpu" else load_hardware(q.hardware_ref)
+        found = smallest_fitting_world(space, q.model, hw, q.workload, world_size=q.gpus,
+                                       gpus_per_node=q.gpus_per_node if stated else None, coeffs=q.coeffs,
+                                       memory_margin=args.memory_margin, rank_by=args.rank_by)
+        if found is not None:
+            k, bigger = found
+            b = bigger.best()
+            raise PlanningError(f"{res.why_nothing_fits()}; the smallest world that fits is {k} x {q.hardware.name} "
+                                f"(--gpus {k}: {bigger.table.plan(b).describe()}, "
+                                f"{bigger.est.peak_memory_bytes[b] / 2**30:.1f} GiB)")
     best = res.best()  # raises PlanningError with the reason when nothing fits
     inputs = {**q.echo(), "space": space.name, "rank_by": args.rank_by}
     contents = {

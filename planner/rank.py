@@ -14,7 +14,7 @@ from search_spaces import constraints as C
 from search_spaces.enumerate import Enumeration, Rejection, enumerate_plans
 from search_spaces.space import SearchSpace
 from search_spaces.table import CandidateTable
-from search_spaces.typed import InputError
+from search_spaces.typed import MAX_WORLD_SIZE, InputError
 
 
 RANK_BY = ("time", "p90")   # the point estimate, or the conservative (one-sided p90) bounds
@@ -104,6 +104,23 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     return PlanningResult(table=en.table, est=est, order=order, pareto=pareto_front(est, idx),
                           rejected=rejected, n_layouts=en.n_layouts, model=model, hw=hw, workload=workload,
                           coeffs=coeffs, rank_by=rank_by)
+
+
+def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
+                           world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
+                           memory_margin: float = 0.0, rank_by: str = "time",
+                           max_world: int = MAX_WORLD_SIZE) -> tuple[int, PlanningResult] | None:
+    """When nothing fits on `world_size` devices: the smallest power-of-two multiple of it (up to `max_world`)
+    on which some layout of `space` fits, with its planning result, or None.  The global batch stays the
+    question's; multiples of the world keep the node shape."""
+    k = 2 * world_size
+    while k <= max_world:
+        res = plan_candidates(space, model, hw, workload, world_size=k, gpus_per_node=gpus_per_node, coeffs=coeffs,
+                              memory_margin=memory_margin, rank_by=rank_by)
+        if res.n_feasible:
+            return k, res
+        k *= 2
+    return None
 
 
 def pareto_front(est: Estimates, idx: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from planner.cli import main, parse_tokens
+from search_spaces.plan import Plan
 from search_spaces.planfile import read_plan_file
 
 
@@ -325,3 +327,23 @@ def test_estimate_without_ac_when_nothing_fits_takes_the_smallest_peak(capsys):
              for ac in ("none", "selective", "full")}
     assert chosen["plan"]["ac"] == min(peaks, key=peaks.get)
     assert "no setting fits; the smallest peak" in chosen["ac_note"]
+
+
+def test_nothing_fits_names_the_smallest_world_that_does(tmp_path):
+    """No layout of llama3-70b fits on 2 H100s: the one-line error names the smallest power-of-two multiple of
+    the world on which one fits, with that layout, which `titan-plan --gpus K` then picks; on K/2 nothing fits.
+    The node shape is the hardware's (a 2-GPU question has 2 per node; the 16-GPU answer has 8)."""
+    q = ["--model", "llama3-70b", "--hardware", "h100-sxm", "--global-batch", "64", "--seq-len", "4096"]
+    r = run_cli(*q, "--gpus", "2", "--out", str(tmp_path / "a.yaml"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    m = re.search(r"the smallest world that fits is (\d+) x h100-sxm \(--gpus \d+: (\S+) ", r.stderr)
+    assert m, r.stderr
+    k, layout = int(m.group(1)), m.group(2)
+    assert k > 2 and k & (k - 1) == 0
+    out = tmp_path / "k.yaml"
+    ok = run_cli(*q, "--gpus", str(k), "--out", str(out))
+    assert ok.returncode == 0, ok.stderr
+    picked = yaml.safe_load(out.read_text())["plan"]
+    assert Plan.from_dict(picked).layout_str() == layout, (picked, layout)
+    half = run_cli(*q, "--gpus", str(k // 2), "--out", str(tmp_path / "h.yaml"))
+    assert half.returncode == 2 and "no layout fits in memory" in half.stderr
