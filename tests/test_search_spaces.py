@@ -289,3 +289,20 @@ def test_tied_embeddings_keep_the_search_to_tp1_pp1_but_not_a_what_if():
     p = Plan(dp_shard=4, tp=2, microbatch=4)
     assert [r for r, _ in check_plan(p, t)] == [C.R_TIED]
     assert check_plan(p, t, runnable=False) == []
+
+
+def test_titan_run_limits_are_what_a_what_if_may_break():
+    """check_plan(runnable=False) leaves out titan-run's own limits (constraints.TITAN_RUN_LIMITS) and
+    titan_run_limits names them: more virtual stages than layers is a limit of titan-run's split; a pipeline
+    rank with no layer at all is illegal for everyone; too few micro-batches is the pipeline runtime's."""
+    m = _model(4, 4, 1, 16)                              # 4 layers
+    t = Target.of(m, world_size=2, seq_len=64, global_batch=8, gpus_per_node=8)
+    v3 = Plan(pp=2, microbatch=1, n_microbatches=8, schedule="Interleaved1F1B", stages_per_rank=3)
+    assert check_plan(v3, t, runnable=False) == []
+    assert C.titan_run_limits(v3, t) == [("layout", "pp*stages_per_rank = 6 > 4 layers")]
+    assert [r for r, _ in check_plan(v3, t)] == [C.R_PP_LAYERS]
+    few = Plan(pp=2, microbatch=8, n_microbatches=1, schedule="1F1B", runnable=False)
+    assert check_plan(few, t, runnable=False) == [] and [k for k, _ in C.titan_run_limits(few, t)] == ["schedule"]
+    t8 = Target.of(m, world_size=8, seq_len=64, global_batch=8, gpus_per_node=8)
+    pp8 = Plan(pp=8, microbatch=1, n_microbatches=8, schedule="1F1B")
+    assert [r for r, _ in check_plan(pp8, t8, runnable=False)] == [C.R_PP_RANKS]
