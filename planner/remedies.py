@@ -11,9 +11,9 @@ change that keeps the layout's degrees and saves memory, stated as the flag that
   ``--loss-impl fused``.
 
 :func:`remedies` estimates every applicable single change (one vectorized estimate per workload) and, when
-no single one fits, all of them together, then adds changes largest saving first until the layout fits
-(or says that even all of them do not), titan-run's own changes first: a set of those that fits is
-preferred to one that needs another framework's regime.
+no single one fits, changes together: added largest saving first until the layout fits, or all of them
+(which then still do not fit), titan-run's own changes tried first: a set of those that fits is preferred
+to one that needs another framework's regime.
 """
 from __future__ import annotations
 
