@@ -41,13 +41,15 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter   # the custom-comm interface (torch >= 2.8)
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter   # custom comms (torch >= 2.8)
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo            # (private in torch 2.14)
 from torch.distributed.tensor import Replicate, _redistribute
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from .seq_collectives import reduce_scatter_flat
+from .seq_collectives import PendingReduceScatter, all_gather_exchange
 
 
 def _mp_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -80,13 +82,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, 
 
 
 class GlooReduceScatter(ReduceScatter):
-    """FSDP2's gradient reduce-scatter on gloo as a direct exchange (``seq_collectives.reduce_scatter_flat``).
+    """FSDP2's gradient reduce-scatter on gloo as a direct exchange (``seq_collectives.PendingReduceScatter``).
 
     gloo's ``reduce_scatter_tensor`` clones the whole flat gradient buffer, all-reduces ALL of it
     and copies this rank's chunk out; here each peer is sent only its chunk and this rank's chunk
     is summed locally in rank order (on 2 ranks bitwise gloo's result, SUM and AVG alike: the AVG
     division is by the group size after the sum, as gloo's).  Other ops (PREMUL_SUM) and async
-    calls go to the library collective."""
+    calls go to the library collective.
+
+    Given its module's FSDP parameter group, the exchange is left in flight where nothing reads the
+    result before backward ends (:meth:`_can_defer`): FSDP2 calls the reduce-scatter synchronously
+    on CPU (no streams), so each block's backward otherwise waits for the slower peer's gradients.
+    The sum into the same output (the views FSDP2 has made the sharded gradients) is done when the
+    next reduce-scatter is posted or, for the last one, in an autograd final callback at the end of
+    backward: the same sum of the same values, in the same order (bitwise unchanged)."""
+
+    def __init__(self, param_group=None):
+        self._param_group = param_group
+        self.deferred = 0        # how many of its reduce-scatters were left in flight
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -95,16 +108,83 @@ class GlooReduceScatter(ReduceScatter):
                  async_op: bool = False):
         if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        reduce_scatter_flat(output_tensor, input_tensor, group, group.rank(), group.size())
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(group.size())
+        size = group.size()
+        pending = PendingReduceScatter(input_tensor.chunk(size), group, group.rank(), size)
+        done = (pending, output_tensor, size if op == dist.ReduceOp.AVG else 1)
+        if self._can_defer(op, output_tensor):
+            self.deferred += 1
+            _IN_FLIGHT.append(done)
+            _finish_in_flight(keep=1)        # the previous block's, whose peer chunks have long arrived
+            return None
+        _finish_in_flight()
+        _finish(*done)
         return None
+
+    def _can_defer(self, op, output: torch.Tensor) -> bool:
+        """Whether FSDP2 leaves the reduce-scatter output untouched until backward ends: AVG (no pre- or
+        post-division), no HSDP all-reduce or all-reduce hook after it, no cast, no accumulation into an
+        existing sharded gradient, no CPU offload or post-accumulate-grad hook; and inside a backward pass
+        (FSDP2's pipelining calls post-backward outside one), where the final callback is queued."""
+        pg = self._param_group
+        if pg is None or op != dist.ReduceOp.AVG or isinstance(pg.mesh_info, DDPMeshInfo) \
+                or pg._all_reduce_hook is not None or pg._orig_dtype not in (None, output.dtype):
+            return False
+        for fp in pg.fsdp_params:
+            p = fp.sharded_param
+            if p.grad is not None or fp.offload_to_cpu or getattr(p, "_post_accumulate_grad_hooks", None):
+                return False
+        task = torch._C._current_graph_task_id()      # -1 outside a backward pass
+        if task < 0:
+            return False
+        if _QUEUED_FOR[0] != task:       # one callback per backward pass (a failed one never ran its own)
+            Variable._execution_engine.queue_callback(_end_of_backward)
+            _QUEUED_FOR[0] = task
+        return True
+
+
+_IN_FLIGHT: list[tuple] = []     # GlooReduceScatter exchanges posted, not yet summed (oldest first)
+_QUEUED_FOR = [None]             # the backward pass (graph task id) whose final callback is queued
+
+
+def _finish(pending, out: torch.Tensor, divisor: int) -> None:
+    pending.finish(out)
+    if divisor != 1:
+        out.div_(divisor)
+
+
+def _finish_in_flight(keep: int = 0) -> None:
+    """Sum the in-flight reduce-scatters into their outputs, oldest first, leaving the newest `keep`."""
+    while len(_IN_FLIGHT) > keep:
+        _finish(*_IN_FLIGHT.pop(0))
+
+
+def _end_of_backward() -> None:
+    _QUEUED_FOR[0] = None
+    _finish_in_flight()
+
+
+class GlooAllGather(AllGather):
+    """FSDP2's parameter all-gather on gloo as a direct exchange (``seq_collectives.all_gather_exchange``).
+
+    gloo's ``all_gather_into_tensor`` gathers into a staging tensor of the whole output and copies it
+    into the output afterwards; FSDP2's input is already this rank's chunk of the output, so here each
+    peer's chunk is received straight into its place (an all-gather only moves bytes: bitwise the same
+    parameters).  Async calls (the prefetched unshards of :func:`overlap_all_gathers`) return one work
+    FSDP2 waits on before its copy-out."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        return all_gather_exchange(output_tensor, input_tensor, group, group.rank(), group.size(), async_op=async_op)
 
 
 def use_gloo_reduce_scatter(module: nn.Module, mesh: DeviceMesh) -> None:
-    """On a gloo mesh, FSDP2 reduce-scatters `module`'s gradients with :class:`GlooReduceScatter`."""
+    """On a gloo mesh, FSDP2 reduce-scatters `module`'s gradients with :class:`GlooReduceScatter` and
+    all-gathers its parameters with :class:`GlooAllGather`."""
     if mesh.device_type == "cpu" and all(dist.get_backend(mesh.get_group(i)) == "gloo" for i in range(mesh.ndim)):
-        module.set_custom_reduce_scatter(GlooReduceScatter())
+        module.set_custom_reduce_scatter(GlooReduceScatter(module._get_fsdp_state()._fsdp_param_group))
+        module.set_custom_all_gather(GlooAllGather())
 
 
 def overlap_all_gathers(model: nn.Module, device_type: str) -> None:

@@ -32,12 +32,52 @@ import torch.distributed as dist
 SEQ_DIM = 1      # [batch, seq, ...]
 
 
-def _exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
-    """Send ``sends[p]`` to and receive ``recvs[p]`` from each peer p (ranks in `group`), then wait."""
+def _post(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> list[dist.Work]:
+    """Post the receive of ``recvs[p]`` from and the send of ``sends[p]`` to each peer p (ranks in `group`)."""
     works = [dist.irecv(buf, group=group, group_src=p) for p, buf in recvs.items()]
     works += [dist.isend(t, group=group, group_dst=p) for p, t in sends.items()]
+    return works
+
+
+def _exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
+    """Send ``sends[p]`` to and receive ``recvs[p]`` from each peer p (ranks in `group`), then wait."""
+    for w in _post(sends, recvs, group):
+        w.wait()
+
+
+class _Works(dist.Work):
+    """Several point-to-point works as one ``dist.Work`` (what FSDP2 waits on for an async all-gather)."""
+
+    def __init__(self, works: list[dist.Work]):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+def all_gather_exchange(out: torch.Tensor, inp: torch.Tensor, group, rank: int, size: int,
+                    async_op: bool = False) -> dist.Work | None:
+    """``out`` (1-D, ``size`` rank-major chunks) = every rank's ``inp``, by a direct exchange: this rank's chunk
+    is sent to each peer and each peer's chunk received straight into its place (FSDP2's all-gather buffer,
+    whose input is already this rank's chunk of ``out``: then nothing is copied).  Returns the work when
+    `async_op` (the chunks are in place once it is waited on), else waits and returns None."""
+    chunks = out.chunk(size)
+    if inp.data_ptr() != chunks[rank].data_ptr():
+        chunks[rank].copy_(inp)
+    peers = [p for p in range(size) if p != rank]
+    works = _post({p: chunks[rank] for p in peers}, {p: chunks[p] for p in peers}, group)
+    if async_op:
+        return _Works(works)
     for w in works:
         w.wait()
+    return None
 
 
 def all_gather_seq(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
@@ -59,33 +99,46 @@ def all_gather_seq(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor
     return out
 
 
+class PendingReduceScatter:
+    """A reduce-scatter in flight: this rank's chunk of the sum of every rank's `chunks` (``chunks[p]`` goes to
+    rank p).  Posting sends each peer its chunk and receives this rank's chunk from each peer; :meth:`finish`
+    waits and sums the chunks locally in rank order (the one sum of :func:`reduce_scatter_seq` and
+    :func:`reduce_scatter_flat`)."""
+
+    def __init__(self, chunks, group, rank: int, size: int):
+        own = chunks[rank]
+        peers = [p for p in range(size) if p != rank]
+        self._recvs = {p: torch.empty(own.shape, dtype=own.dtype, device=own.device) for p in peers}
+        self._works = _post({p: chunks[p].contiguous() for p in peers}, self._recvs, group)
+        self._parts = [own if p == rank else self._recvs[p] for p in range(size)]
+
+    def finish(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Wait for the peers' chunks; return their sum (written into `out` when given)."""
+        for w in self._works:
+            w.wait()
+        parts = self._parts
+        if out is None:
+            out = parts[0] + parts[1]
+        else:
+            torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out += part
+        self._works, self._parts, self._recvs = [], [], {}
+        return out
+
+
 def reduce_scatter_seq(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
     """``[b, s, ...]`` pending sum per rank -> this rank's sequence block ``[b, s/size, ...]`` of the sum."""
-    b, s = x.shape[0], x.shape[SEQ_DIM]
+    s = x.shape[SEQ_DIM]
     if s % size:
         raise ValueError(f"sequence parallel: sequence length {s} is not divisible by tp={size}")
-    chunks = x.chunk(size, SEQ_DIM)
-    peers = [p for p in range(size) if p != rank]
-    recvs = {p: x.new_empty(chunks[rank].shape) for p in peers}
-    _exchange({p: chunks[p].contiguous() for p in peers}, recvs, group)
-    parts = [chunks[rank] if p == rank else recvs[p] for p in range(size)]
-    out = parts[0] + parts[1]
-    for part in parts[2:]:
-        out += part
-    return out
+    return PendingReduceScatter(x.chunk(size, SEQ_DIM), group, rank, size).finish()
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, rank: int, size: int) -> None:
     """``out`` = this rank's dim-0 chunk of the sum of every rank's ``inp`` (contiguous, rank-major chunks: the
     layout of FSDP2's reduce-scatter buffer), by the same exchange as :func:`reduce_scatter_seq`."""
-    chunks = inp.chunk(size)
-    peers = [p for p in range(size) if p != rank]
-    recvs = {p: torch.empty_like(out) for p in peers}
-    _exchange({p: chunks[p] for p in peers}, recvs, group)
-    parts = [chunks[rank] if p == rank else recvs[p] for p in range(size)]
-    torch.add(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        out += part
+    PendingReduceScatter(inp.chunk(size), group, rank, size).finish(out)
 
 
 class GatherSeq(torch.autograd.Function):
@@ -114,4 +167,4 @@ class ScatterSeq(torch.autograd.Function):
         return all_gather_seq(grad, *ctx.comm), None, None, None
 
 
-__all__ = ["GatherSeq", "ScatterSeq", "all_gather_seq", "reduce_scatter_flat", "reduce_scatter_seq"]
+__all__ = ["GatherSeq", "PendingReduceScatter", "ScatterSeq", "all_gather_exchange", "all_gather_seq", "reduce_scatter_flat", "reduce_scatter_seq"]

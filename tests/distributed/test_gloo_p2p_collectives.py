@@ -1,9 +1,12 @@
 """The point-to-point twins of the SP boundary collectives and FSDP2's reduce-scatter (gloo) against the library ones.
 
 On real gloo processes: ``seq_collectives`` all-gather / reduce-scatter over the sequence dim (with
-their autograd), and ``fsdp.GlooReduceScatter`` (SUM and AVG over a flat rank-major buffer), each
+their autograd), ``fsdp.GlooReduceScatter`` (SUM and AVG over a flat rank-major buffer) and ``fsdp.GlooAllGather`` (sync
+and async, the input in the output or not; bitwise on any number of ranks: it only moves bytes), each
 compared with the library collective on the same inputs: bitwise on 2 ranks, within 1e-6 on 3
-(the local sum runs in rank order, gloo's ring in its own).
+(the local sum runs in rank order, gloo's ring in its own).  Then FSDP2 with both comms installed
+(the reduce-scatters left in flight until the next one / the end of backward) against FSDP2's own
+comms: the same gradients after one backward and after an accumulating second one.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
-        from executor.parallel.fsdp import GlooReduceScatter
+        from executor.parallel.fsdp import GlooAllGather, GlooReduceScatter
         from executor.parallel.seq_collectives import GatherSeq, ScatterSeq, all_gather_seq, reduce_scatter_seq
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -77,6 +80,71 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
             got = comm.allocate((1000,), dtype=torch.float32, device=torch.device("cpu"))
             assert comm(output_tensor=got, input_tensor=flat, group=group, op=op) is None
             _same(got, want, world, f"GlooReduceScatter {op}")
+
+        gather = GlooAllGather()
+        for async_op in (False, True):
+            for in_place in (True, False):     # FSDP2's input is this rank's chunk of the output; a separate one too
+                shard = torch.randn(777, generator=gen)
+                want = torch.empty(world * 777)
+                dist.all_gather_into_tensor(want, shard, group=group)
+                got = gather.allocate((world * 777,), dtype=torch.float32, device=torch.device("cpu"))
+                inp = got.narrow(0, rank * 777, 777) if in_place else shard.clone()
+                if in_place:
+                    inp.copy_(shard)
+                work = gather(output_tensor=got, input_tensor=inp, group=group, async_op=async_op)
+                if async_op:
+                    assert isinstance(work, dist.Work) and work.wait()
+                else:
+                    assert work is None
+                assert torch.equal(got, want), f"GlooAllGather async={async_op} in_place={in_place}"
+        out_q.put((rank, "ok"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        out_q.put((rank, traceback.format_exc()))
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_q) -> None:
+    """FSDP2 with titan-run's gloo comms (deferred reduce-scatters) vs the library's, same weights and data."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from executor.parallel import fsdp
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+
+        def build(ours: bool) -> nn.Module:
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(12, 30), nn.Tanh(), nn.Linear(30, 12)) for _ in range(3)],
+                                  nn.Linear(12, 4))     # the root's own parameters
+            for block in model[:3]:
+                fully_shard(block, mesh=mesh)
+                if ours:
+                    fsdp.use_gloo_reduce_scatter(block, mesh)
+            fully_shard(model, mesh=mesh)
+            if ours:
+                fsdp.use_gloo_reduce_scatter(model, mesh)
+            return model
+
+        ours, ref = build(True), build(False)
+        gen = torch.Generator().manual_seed(rank)
+        for micro in range(2):           # the second backward accumulates into the sharded grads: synchronous
+            x = torch.randn(5, 12, generator=gen)
+            for model in (ours, ref):
+                model(x).pow(2).mean().backward()
+            assert not fsdp._IN_FLIGHT, "reduce-scatters left in flight after backward"
+            for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+                _same(a.grad.to_local(), b.grad.to_local(), world, f"{name}.grad after backward {micro + 1}")
+        comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for m in (*ours[:3], ours)]
+        assert all(isinstance(c, fsdp.GlooReduceScatter) for c in comms), comms
+        # each unit deferred its first backward's reduce-scatter (the root's runs in FSDP's final callback)
+        assert [c.deferred for c in comms] == [1] * 4, [c.deferred for c in comms]
         out_q.put((rank, "ok"))
         dist.barrier()
         dist.destroy_process_group()
@@ -85,11 +153,20 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_with_the_gloo_comms_matches_the_library_comms(world):
+    _run(_fsdp_worker, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_p2p_collectives_match_the_library_collectives(world):
+    _run(_worker, world)
+
+
+def _run(worker, world: int) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, q)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=300) for _ in range(world))
