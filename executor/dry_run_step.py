@@ -64,7 +64,7 @@ from search_spaces.table import CandidateTable
 
 from .dry_run_routing import balanced_routing
 from .parallel.context_parallel import head_tail_indices
-from .parallel.pipeline import build_schedule
+from .parallel.pipeline import build_schedule, fsdp_microbatch_backward_settings
 from .parallel.spmd_step import spmd_mesh
 from .parallel.spmd_tensor_parallel import vocab_parallel_cross_entropy
 from .parallel.tensor_parallel import cross_entropy, loss_parallel
@@ -119,11 +119,9 @@ def rank_actions(plan, stages, schedule=None, pp_rank: int = 0) -> list[tuple[st
 def _fsdp_no_sync(module: nn.Module, every_microbatch: bool = False) -> None:
     """What the pipeline stage does before each backward (stage.backward_maybe_with_nosync); with
     `every_microbatch` (workload ``pp_grad_sync``) the stage keeps the sync and the resharding on
-    (``pipeline._stage_class``)."""
+    (``pipeline._stage_class``): the one helper both use."""
     if isinstance(module, FSDPModule):
-        module.set_is_last_backward(False)
-        module.set_reshard_after_backward(every_microbatch)
-        module.set_requires_gradient_sync(every_microbatch)
+        fsdp_microbatch_backward_settings(module, every_microbatch)
 
 
 def _fsdp_reduce_grad(module: nn.Module) -> None:

@@ -303,6 +303,16 @@ def _allow_retained_compiled_backward() -> None:
         functorch_config.donated_buffer = False
 
 
+def fsdp_microbatch_backward_settings(module: FSDPModule, sync_every_microbatch: bool) -> None:
+    """The FSDP settings a pipeline stage's micro-batch backward runs with (one home for the stage,
+    :func:`_stage_class`, and the dry run's replay, ``dry_run_step.py``): not the last backward; with
+    `sync_every_microbatch` (workload ``pp_grad_sync``) the gradient sync and the resharding on, else
+    both off, as torch's ``backward_maybe_with_nosync`` sets them."""
+    module.set_is_last_backward(False)
+    module.set_requires_gradient_sync(sync_every_microbatch)
+    module.set_reshard_after_backward(sync_every_microbatch)
+
+
 def _keep_on(*args, **kwargs) -> None:
     """Stands in for an FSDP module's sync / reshard setters while a stage's backward runs (see
     :func:`_stage_class`): the settings made just before stay as they are."""
@@ -345,9 +355,7 @@ def _stage_class(backward_context: Callable[[], contextlib.AbstractContextManage
             if not (sync_every_microbatch and isinstance(mod, FSDPModule)):
                 with ctx:
                     return super().backward_maybe_with_nosync(*args, **kwargs)
-            mod.set_is_last_backward(False)
-            mod.set_requires_gradient_sync(True)
-            mod.set_reshard_after_backward(True)
+            fsdp_microbatch_backward_settings(mod, True)
             mod.set_requires_gradient_sync = mod.set_reshard_after_backward = _keep_on
             try:
                 with ctx:
