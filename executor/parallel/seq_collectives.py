@@ -167,4 +167,40 @@ class ScatterSeq(torch.autograd.Function):
         return all_gather_seq(grad, *ctx.comm), None, None, None
 
 
-__all__ = ["GatherSeq", "PendingReduceScatter", "ScatterSeq", "all_gather_exchange", "all_gather_seq", "reduce_scatter_flat", "reduce_scatter_seq"]
+# --------------------------------------------------------------------------- inside a compiled block
+# The same two exchanges as custom ops, so a compiled TP block (spmd_types erasure mode, gloo) runs them inside its
+# graph, where the autograd.Functions above (dist.isend / irecv) would break it; torch's functional collectives
+# there are gloo's library ones (the clone + full all-reduce + chunk copy of a reduce-scatter).  The group is
+# passed by its registered name, as in torch's functional collectives; each op's backward is the other.
+@torch.library.custom_op("titan::all_gather_seq", mutates_args=())
+def all_gather_seq_op(x: torch.Tensor, group_name: str, rank: int, size: int) -> torch.Tensor:
+    return all_gather_seq(x, dist.distributed_c10d._resolve_process_group(group_name), rank, size)
+
+
+@torch.library.custom_op("titan::reduce_scatter_seq", mutates_args=())
+def reduce_scatter_seq_op(x: torch.Tensor, group_name: str, rank: int, size: int) -> torch.Tensor:
+    return reduce_scatter_seq(x, dist.distributed_c10d._resolve_process_group(group_name), rank, size).contiguous()
+
+
+@all_gather_seq_op.register_fake
+def _(x, group_name, rank, size):
+    return x.new_empty((x.shape[0], size * x.shape[SEQ_DIM], *x.shape[2:]))
+
+
+@reduce_scatter_seq_op.register_fake
+def _(x, group_name, rank, size):
+    return x.new_empty((x.shape[0], x.shape[SEQ_DIM] // size, *x.shape[2:]))
+
+
+def _setup_comm(ctx, inputs, output) -> None:
+    ctx.comm = inputs[1:]
+
+
+all_gather_seq_op.register_autograd(lambda ctx, grad: (reduce_scatter_seq_op(grad, *ctx.comm), None, None, None),
+                                    setup_context=_setup_comm)
+reduce_scatter_seq_op.register_autograd(lambda ctx, grad: (all_gather_seq_op(grad, *ctx.comm), None, None, None),
+                                        setup_context=_setup_comm)
+
+
+__all__ = ["GatherSeq", "PendingReduceScatter", "ScatterSeq", "all_gather_exchange", "all_gather_seq",
+           "all_gather_seq_op", "reduce_scatter_flat", "reduce_scatter_seq", "reduce_scatter_seq_op"]

@@ -72,7 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import spmd_types as spmd
 
 from ..comm_timer import all_gather_flat
-from .seq_collectives import GatherSeq, ScatterSeq
+from .seq_collectives import GatherSeq, ScatterSeq, all_gather_seq_op, reduce_scatter_seq_op
 from .vocab_parallel_loss import VocabParallelCrossEntropy
 
 # spmd_types 0.3 calls funcol.all_gather_tensor / reduce_scatter_tensor, deprecated in torch 2.14: once per
@@ -251,6 +251,18 @@ def _p2p_unless_checking(name: str, typed, tp: _TP):
 ERASED_OPS = {ALL_GATHER: _gather_seq_erased, REDUCE_SCATTER: _scatter_seq_erased}
 
 
+def _gather_seq_erased_p2p(x: torch.Tensor, tp: _TP) -> torch.Tensor:
+    return all_gather_seq_op(x, tp.group.group_name, tp.rank, tp.size)
+
+
+def _scatter_seq_erased_p2p(x: torch.Tensor, tp: _TP) -> torch.Tensor:
+    return reduce_scatter_seq_op(x, tp.group.group_name, tp.rank, tp.size)
+
+
+# on gloo: the point-to-point exchanges of P2P_OPS as custom ops, traced into the compiled graph like ERASED_OPS
+ERASED_P2P_OPS = {ALL_GATHER: _gather_seq_erased_p2p, REDUCE_SCATTER: _scatter_seq_erased_p2p}
+
+
 # --------------------------------------------------------------------------- tp_activations: sharded
 class _SeqShard:
     """This rank's sequence shard of one all-gathered module input, kept for backward in its place.
@@ -401,11 +413,12 @@ def _apply_one(module: nn.Module, sharding: ModuleSharding, tp: _TP, done: dict,
         module.register_forward_hook(embed_post)
 
     if erased:      # inside a compiled block: untyped collectives traced into its graph (ERASED_OPS)
+        ops = ERASED_P2P_OPS if tp.p2p else ERASED_OPS
         if sharding.input is not None:
-            gather = _boundary_op(sharding.input, "input", ERASED_OPS)
+            gather = _boundary_op(sharding.input, "input", ops)
             module.register_forward_pre_hook(lambda mod, args: (gather(args[0], tp), *args[1:]))
         if sharding.output is not None:     # a pending sum (partial_output) is a type only: nothing to run
-            scatter = _boundary_op(sharding.output, "output", ERASED_OPS)
+            scatter = _boundary_op(sharding.output, "output", ops)
             module.register_forward_hook(lambda mod, args, out: scatter(out, tp))
         return
     if sharding.input is not None:
@@ -455,8 +468,8 @@ def apply_spmd_tp(model: nn.Module, tp_mesh: DeviceMesh, *, block_sharding: dict
     ``gathered`` lets the linears save the all-gathered inputs, ``sharded`` keeps the sequence
     shards and all-gathers them again in backward (module docstring; eager only: not under
     compile, and it must not run inside selective checkpointing).  `erased_blocks` (for blocks that will be
-    compiled, with the checker off): the blocks' boundaries run :data:`ERASED_OPS`, the same collectives
-    without their types, traced into the compiled graph; the root's (embedding, LM head) stay typed."""
+    compiled, with the checker off): the blocks' boundaries run :data:`ERASED_OPS` (on gloo
+    :data:`ERASED_P2P_OPS`), the same collectives without their types, traced into the compiled graph; the root's (embedding, LM head) stay typed."""
     if tp_activations not in TP_ACTIVATIONS:
         raise ValueError(f"apply_spmd_tp: tp_activations {tp_activations!r} (allowed: "
                          f"{', '.join(map(repr, TP_ACTIVATIONS))})")

@@ -1,7 +1,8 @@
 """The point-to-point twins of the SP boundary collectives and FSDP2's reduce-scatter (gloo) against the library ones.
 
 On real gloo processes: ``seq_collectives`` all-gather / reduce-scatter over the sequence dim (with
-their autograd), ``fsdp.GlooReduceScatter`` (SUM and AVG over a flat rank-major buffer) and ``fsdp.GlooAllGather`` (sync
+their autograd, as autograd.Functions and as the custom ops compiled blocks trace),
+``fsdp.GlooReduceScatter`` (SUM and AVG over a flat rank-major buffer) and ``fsdp.GlooAllGather`` (sync
 and async, the input in the output or not; bitwise on any number of ranks: it only moves bytes), each
 compared with the library collective on the same inputs: bitwise on 2 ranks, within 1e-6 on 3
 (the local sum runs in rank order, gloo's ring in its own).  Then FSDP2 with both comms installed
@@ -47,7 +48,8 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
         import torch.distributed._functional_collectives as funcol
 
         from executor.parallel.fsdp import GlooAllGather, GlooReduceScatter
-        from executor.parallel.seq_collectives import GatherSeq, ScatterSeq, all_gather_seq, reduce_scatter_seq
+        from executor.parallel.seq_collectives import (GatherSeq, ScatterSeq, all_gather_seq, all_gather_seq_op,
+                                                       reduce_scatter_seq, reduce_scatter_seq_op)
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)))
@@ -71,6 +73,16 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
             (ScatterSeq.apply(y1, group, rank, world) * v).sum().backward()
             (funcol.reduce_scatter_single(y2, "sum", 1, group) * v).sum().backward()
             assert torch.equal(y1.grad, y2.grad), f"ScatterSeq backward b={b}"
+
+            # the custom ops a compiled block traces (titan::all_gather_seq / reduce_scatter_seq), with autograd
+            name = group.group_name
+            x3, y3 = shard.clone().requires_grad_(), full.clone().requires_grad_()
+            (all_gather_seq_op(x3, name, rank, world) * w).sum().backward()
+            (reduce_scatter_seq_op(y3, name, rank, world) * v).sum().backward()
+            assert torch.equal(x3.grad, x1.grad) and torch.equal(y3.grad, y1.grad), f"custom op backward b={b}"
+            assert torch.equal(all_gather_seq_op(shard, name, rank, world), all_gather_seq(shard, group, rank, world))
+            assert torch.equal(reduce_scatter_seq_op(full, name, rank, world),
+                               reduce_scatter_seq(full, group, rank, world)), f"custom op b={b}"
 
         comm = GlooReduceScatter()
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
