@@ -96,10 +96,12 @@ framework):
   micro-batch's backward, deepspeed/runtime/pipe/engine.py `_exec_backward_pass`); the other
   Megatron stacks fuse it into the weight-gradient GEMM (gradient_accumulation_fusion, auto);
   the FSDP stacks use autograd's accumulation (auto).  Except BLOOM rows that predate the BF16
-  optimizer (their precision field says so, or says fp16: bigscience tr11-176B-ml chronicles-prequel.md, section
-  "Rebalancing layers": from 02-28 the BF16 optimizer accumulates gradients in fp32 "compared to fp16
-  which grad accumulates in fp16"): fp16 mixed precision, whose 16-bit gradients accumulate in the
-  parameters' .grad (autograd) and are reduced in 16 bits (grad_dtype bf16: 2 bytes).
+  optimizer (their precision field says so, or says fp16, or the table row is dated before 02-28: bigscience
+  tr11-176B-ml chronicles-prequel.md, section "Rebalancing layers": from 02-28 "the testing is happening with
+  BF16 optimizer", which accumulates gradients in fp32 "compared to fp16 which grad accumulates in fp16"; the
+  bf16 runs of 02-17 ran ZeRO-1's own bf16 path, DeepSpeed 8eef742 of 02-16): 16-bit mixed precision, whose
+  gradients accumulate in the parameters' .grad (autograd) and are reduced in 16 bits (grad_dtype bf16: 2 bytes).
+  BLOOM's models normalize the embedding (ModelSpec.embed_norm: tr11-176B-ml.slurm --embed-layernorm).
   megatron-deepspeed-2022 also has
   dp_comm_overlap = none: DeepSpeed's pipeline `TrainSchedule` issues `ReduceGrads` as its own instruction
   after the last micro-batch's backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it.
@@ -116,6 +118,15 @@ framework):
 * `ran_out_of_memory: true` marks a published layout that did not run (the source reports OOM): it
   has no figure to score, and it must be predicted NOT to fit (the OOM check, the other half of the
   memory verdict: a layout the planner calls feasible must not run out of memory).
+* `measured.mem_gb_column` (BLOOM's chronicles, bigscience train/tr11-176B-ml/chronicles-prequel.md) is scored as
+  `nvidia_smi_gib`, one of the memory metrics: the footnote of section 'Best TFLOPs' says "*Mem = max memory used
+  by the first (last) nodes with the word embedding matrix", and the later sections were read "with: `pdsh -w
+  jean-zay-iam01 "source ~/.pdshrc; nvidia-smi"`", the job's first node, whose 8 GPUs are pipeline stage 0
+  (DeepSpeed's PipeModelDataParallelTopology puts the pipe axis outermost).  nvidia-smi shows a process's whole
+  device memory: the caching allocator's reserved segments, NCCL's buffers and the CUDA context.  So the
+  prediction is the first pipeline rank's device bytes (`memory_by_rank`: reserved peak with NCCL's buffers;
+  under 'Best TFLOPs' the heavier of the first and last ranks) plus the hardware's `cuda_context_gib`; "GB"
+  is read as nvidia-smi's MiB / 1024.
 """
 from __future__ import annotations
 
@@ -136,7 +147,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.estimate import GIB, estimate  # noqa: E402
-from cost_models.memory import nccl_buffer_bytes  # noqa: E402
+from cost_models.memory import memory_by_rank, nccl_buffer_bytes  # noqa: E402
 from cost_models.flops import megatron_flops_per_token  # noqa: E402
 from cost_models.frameworks import get_framework  # noqa: E402
 from cost_models.specs import PRESET_DIR, load_hardware, load_model, model_from_dict  # noqa: E402
@@ -199,6 +210,7 @@ class Case:
     not_counted: dict = field(default_factory=dict)  # metric -> why it is shown but not scored
     trained: bool = True                           # the figures come from a run that trained
     oom: bool = False                              # the source reports that this layout ran out of memory
+    smi_ranks: tuple = ("first",)                  # the pipeline ranks an nvidia-smi reading saw (nvidia_smi_gib)
 
 
 def _num(v):
@@ -281,6 +293,10 @@ def build_case(row) -> Case:
     if row.get("not_scorable"):
         raise ValueError(str(row["not_scorable"]))
     model = _model(row)
+    if str(row.get("framework")) == "megatron-deepspeed-2022":
+        # BLOOM's tr11 setup normalizes the embedding (tr11-176B-ml.slurm: --embed-layernorm; the candidates'
+        # "other architecture as tr11"; chronicles-prequel.md 'main-no-emb-norm' turns it off for one test only)
+        model = dataclasses.replace(model, embed_norm=True)
     hw = load_hardware(_hardware(hwr["gpu"]))
     nic = {k: hwr[k] for k in ("nic_gbps", "gpus_per_nic") if hwr.get(k) is not None}
     if nic:           # the cluster's stated NICs, where they differ from the preset's node
@@ -341,7 +357,12 @@ def build_case(row) -> Case:
     norm = "fused" if norm_text.startswith("fused") else "eager" if norm_text else "composite"
     # BLOOM runs before DeepSpeed's BF16 optimizer: fp16, gradients accumulated in 16 bits by autograd
     prec = str(par.get("precision", "")).lower()
-    fp16_ds = source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16"))
+    # (or dated before it: the table row's MM-DD of 2022, section 'Rebalancing layers': from 02-28 "the testing is
+    # happening with BF16 optimizer"; the bf16 runs of 02-17 ran ZeRO-1's own bf16 path, DeepSpeed 8eef742 of 02-16)
+    dated = re.findall(r"\b(\d\d)-(\d\d)\b", str(row["source"].get("row", "")))
+    before_bf16_opt = bool(dated) and tuple(map(int, dated[-1])) < (2, 28)
+    fp16_ds = source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16")
+                                                       or "before the bf16 optimizer" in prec or before_bf16_opt)
     # the framework's regime (cost_models/frameworks.py, what `titan-plan estimate --framework` gives), then
     # what the row states
     fw = get_framework(FRAMEWORK_OF[source])
@@ -400,6 +421,9 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu_with_recompute"]) * 1e12 / per_token
     if "peak_mem_gib" in meas:
         measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
+    if isinstance(meas.get("mem_gb_column"), (int, float)) and source == "megatron-deepspeed-2022":
+        measured["nvidia_smi_gib"] = float(meas["mem_gb_column"])   # an nvidia-smi reading (module docstring)
+        smi_ranks = ("first", "last") if "section 'Best TFLOPs'" in str(row["source"].get("path", "")) else ("first",)
     if "params_plus_optimizer_gib" in meas:
         measured["params_opt_gib"] = float(meas["params_plus_optimizer_gib"])
         measured["activations_gib"] = float(meas["activations_gib"])
@@ -418,7 +442,8 @@ def build_case(row) -> Case:
     oom = bool(row.get("ran_out_of_memory"))
     if oom and measured:
         raise ValueError("a row that ran out of memory has no measured figures")
-    return Case(rid, model, hw, workload, plan, measured, not_counted, trained and not oom, oom)
+    return Case(rid, model, hw, workload, plan, measured, not_counted, trained and not oom, oom,
+                smi_ranks if "nvidia_smi_gib" in measured else ("first",))
 
 
 def load_rows(ref_dir: Path | None = None) -> list[dict]:
@@ -451,7 +476,15 @@ def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
             "fits": bool(est.fits[0]), "device_peak_gib": float(est.peak_memory_bytes[0]) / GIB,
             "capacity_gib": float(est.capacity_bytes) / GIB,
             "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
-            "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0])}
+            "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0]),
+            "nvidia_smi_gib": nvidia_smi_gib(case, est_table, coeffs)}
+
+
+def nvidia_smi_gib(case: Case, table, coeffs: Coefficients) -> float:
+    """What nvidia-smi shows on the GPUs of `case.smi_ranks` (the heaviest of them): their device bytes (the
+    caching allocator's reserved peak and NCCL's buffers, `memory_by_rank`) plus the CUDA context."""
+    by_rank = memory_by_rank(table, case.model, case.workload, coeffs, hw=case.hw)
+    return max(float(sum(v[0] for v in by_rank[w].values())) for w in case.smi_ranks) / GIB + case.hw.cuda_context_gib
 
 
 # the Plan fields, as `titan-plan estimate` flags (booleans: --[no-]flag)
@@ -510,7 +543,8 @@ def evaluate(cases, coeffs: Coefficients | None = None) -> list[dict]:
 
 
 def summarize(results) -> dict[str, dict]:
-    groups = {"throughput": ["tokens_per_s_per_gpu"], "memory": ["peak_mem_gib", "params_opt_gib", "activations_gib"]}
+    groups = {"throughput": ["tokens_per_s_per_gpu"],
+              "memory": ["peak_mem_gib", "params_opt_gib", "activations_gib", "nvidia_smi_gib"]}
     out = {}
     for g, metrics in groups.items():
         rows = [r for r in results if r["metric"] in metrics and r.get("counted", True)]

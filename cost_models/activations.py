@@ -355,3 +355,28 @@ def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:
                        _norm_saved_bytes(model, workload, False, e, h))
     head_in = e * h / (1.0 if workload.tp_keeps_gathered else sp)
     return tokens * (norm_in / sp + head_in)
+
+
+def embedding_activation_bytes(table, model, workload) -> np.ndarray:
+    """Bytes the rank holding the embedding keeps per in-flight micro-batch between the embedding and the
+    first block: what no block's recompute covers, since the embedding is never checkpointed (DeepSpeed's
+    PipelineModule checkpoints only ParallelTransformerLayerPipe chunks of a GPTModelPipe,
+    deepspeed/runtime/pipe/module.py ``_is_checkpointable``; Megatron recomputes transformer layers only).
+
+    * the embedding norm (``ModelSpec.embed_norm``, BLOOM's --embed-layernorm: ``torch.nn.LayerNorm`` on the
+      all-reduced [b, s, h] embedding, Megatron-DeepSpeed megatron/mpu/layers.py VocabParallelEmbedding): its
+      e-byte input and the per-token fp32 statistics (`_norm_saved_bytes` of the eager aten kernel: mean and
+      rstd for a LayerNorm, rstd for an RMSNorm); its output is freed, the dropout's backward needs only the mask;
+    * the embedding dropout's mask, one byte per element (``Workload.dropout``; Korthikanti et al. 2022,
+      arXiv:2205.05198 Sec. 4.4: "the dropout mask of the input embeddings").
+    Both are sequence-sharded under sequence parallelism (Megatron scatters the embedding output before its
+    dropout).  The dropout's output is the first block's input, counted with the blocks.
+    """
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    h = model.dim
+    tp = table.tp.astype(np.float64)
+    sp = tp if workload.sequence_parallel else np.ones_like(tp)
+    tokens = table.microbatch * workload.seq_len / table.cp
+    norm = (e * h + (8.0 if model.norm == "layernorm" else 4.0)) if model.embed_norm else 0.0
+    mask = float(h) if workload.dropout else 0.0
+    return tokens * (norm + mask) / sp

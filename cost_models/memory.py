@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .activations import head_activation_bytes, per_layer_activation_bytes, pipeline_extra_bytes
+from .activations import (embedding_activation_bytes, head_activation_bytes, per_layer_activation_bytes,
+                          pipeline_extra_bytes)
 from .layout import (RANKS, expert_shard_fraction, in_flight_microbatches, in_flight_on_rank,  # noqa: F401
                      rank_index, rank_params)
 
@@ -20,6 +21,10 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_bu
 # (torch.nn.functional.cross_entropy on .float() logits, as TorchTitan and Megatron's
 # vocab-parallel loss do): 3 x 4 bytes per logit.
 LOGIT_BYTES = 12.0
+
+# DeepSpeed's ZeRO reduce_bucket_size default, in elements (deepspeed/runtime/zero/constants.py
+# ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT, v0.5-0.6): the size of ZeRO-1's contiguous gradient bucket
+DEEPSPEED_REDUCE_BUCKET = 5e8
 
 
 
@@ -91,7 +96,8 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
             params, grads, optimizer, fsdp, fsdp_at_turn = _fsdp2_state_bytes(table, model, workload, rp, which,
                                                                               shared["dense_act"])
         else:
-            params, grads, optimizer, fsdp, fsdp_at_turn = _megatron_state_bytes(table, workload, rp, which)
+            params, grads, optimizer, fsdp, fsdp_at_turn = _megatron_state_bytes(table, workload, rp, which,
+                                                                                 caching_allocator)
         acts, logits = _activation_bytes(table, model, rp, which, shared, coeffs, caching_allocator,
                                          fsdp, fsdp_at_turn)
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp) + nccl
@@ -135,7 +141,8 @@ def _shared_activation_terms(table, model, workload, coeffs) -> dict:
                 logits_head=tokens * model.vocab_size / table.tp * (head_infl * logit_kept + logit_turn),
                 head_act=head_activation_bytes(table, model, workload, table.compile),
                 logits_turn=tokens * model.vocab_size / table.tp * (logit_kept + logit_turn),
-                pipe=pipeline_extra_bytes(table, model, workload))
+                pipe=pipeline_extra_bytes(table, model, workload),
+                emb_act=embedding_activation_bytes(table, model, workload))
 
 
 def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tuple[np.ndarray, ...]:
@@ -181,9 +188,33 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
     return params, grads, optimizer, fsdp, fsdp_at_turn
 
 
-def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, ...]:
+def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bool = False) -> tuple[np.ndarray, ...]:
     """As `_fsdp2_state_bytes` for the Megatron layout: bf16 params, main grads in ``grad_dtype``
-    (fp32: Megatron-LM; bf16: NeMo / Megatron-Bridge recipes), AdamW moments in ``moment_dtype``, ZeRO stages."""
+    (fp32: Megatron-LM; bf16: NeMo / Megatron-Bridge recipes), AdamW moments in ``moment_dtype``, ZeRO stages.
+
+    ``grad_accum: hp_copy`` (DeepSpeed's BF16 optimizer) keeps two gradients per parameter, neither sharded: the
+    fp32 accumulator (``fp32_groups_gradients_flat``, a zeros_like of the flat bf16 parameters) and the e-byte
+    ``.grad`` autograd writes, which the pipeline engine leaves allocated (``update_hp_grads(clear_lp_grads=
+    False)`` after each backward: deepspeed/runtime/pipe/engine.py ``_exec_backward_pass`` and bf16_optimizer.py,
+    olruwase/bf16-updates ab61edb0 of 2022-03-09, the commit BLOOM's chronicles name, merged as #1801); the
+    chronicles: "The additional memory usage is 4bytes x params and it's not sharded across gpus" over fp16,
+    whose gradients accumulate in the e-byte ``.grad``.
+
+    16-bit gradients accumulated by autograd in ``.grad`` (``grad_dtype: bf16``, ``grad_accum: autograd``:
+    DeepSpeed's ZeRO-1/2 fp16 and bf16 path) under an fp32 master copy: the step converts the rank's gradient
+    partition to fp32 (deepspeed/runtime/zero/stage_1_and_2.py ``step``, v0.5.x-0.6: ``single_grad_partition =
+    self.flatten(self.averaged_gradients[i]).to(fp32)``), 4 bytes per master element, allocated after the
+    activations are freed, in a segment the caching allocator then keeps reserved next to theirs (BLOOM's
+    chronicles, section 'Best TFLOPs': DP 1 -> 2 on the same 200B layout lowers the nvidia-smi reading by 22 GB,
+    i.e. 16 bytes per parameter of the first stage's 2.94e9 are sharded: master, moments and this gradient, not
+    12).  Counted on a caching allocator only (on CPU the step's tensors reuse the freed activations' memory).
+    Megatron-core's distributed optimizer copies its bf16 gradient shard to fp32 as well
+    (``_copy_model_grads_to_main_grads``), but no published Megatron-core memory figure shows that copy held in
+    the reserved pool, so its fused accumulation (``grad_accum: fused``) does not count it.
+    The same path reduces the gradients through DeepSpeed's contiguous bucket: with a pipeline, ZeRO-1's
+    ``reduce_gradients(pipeline_parallel=True)`` allocates ``ipg_buffer``, ``reduce_bucket_size`` 16-bit
+    elements (DeepSpeed's default 5e8, zero/constants.py; BLOOM's config sets none), at every ReduceGrads,
+    after the activations are freed: counted with the gradients."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
     local = dense_p + expert_p
@@ -194,8 +225,14 @@ def _megatron_state_bytes(table, workload, rp, which: str) -> tuple[np.ndarray, 
     master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
     params = e * (sh if z >= 3 else local)
     grads = workload.grad_elem_bytes * (sh if z >= 2 else local)
+    if workload.grad_accum_mode == "hp_copy":              # the BF16 optimizer's low-precision .grad, kept
+        grads = grads + e * local
     moments = 2.0 * workload.moment_elem_bytes               # exp_avg, exp_avg_sq (moment_dtype)
     optimizer = (moments + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
+    if caching_allocator and master > 0 and workload.grad_elem_bytes < 4.0 and workload.grad_accum_mode == "autograd":
+        optimizer = optimizer + 4.0 * (sh if z >= 1 else local)          # the step's fp32 gradient partition
+        if z >= 1:
+            grads = grads + np.where(table.pp > 1, DEEPSPEED_REDUCE_BUCKET * workload.grad_elem_bytes, 0.0)
     fsdp = fsdp_at_turn = np.zeros(len(table))
     return params, grads, optimizer, fsdp, fsdp_at_turn
 
@@ -210,6 +247,7 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     per_mb = nd * shared["dense_act"] + nm * shared["moe_act"]
     has_head = rp[f"{which}_has_head"]
     per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
+    per_mb = per_mb + np.where(rp[f"{which}_has_emb"], shared["emb_act"], 0.0)   # embedding norm, dropout mask
     # Two peak candidates after the last forward: the loss turn (final norm, head input and the
     # logit tensors of the current micro-batch) and, once those are freed, a block's backward
     # (`working_set`); the older in-flight micro-batches' head tensors persist in both.

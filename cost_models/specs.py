@@ -64,6 +64,11 @@ class ModelSpec:
     mlp: Literal["swiglu", "gelu"] = "swiglu"                # swiglu: 3 matrices, gelu: 2
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     tie_embeddings: bool = False
+    # a norm on the embedding output (BLOOM: Megatron-DeepSpeed's --embed-layernorm, a torch.nn.LayerNorm after the
+    # vocab-parallel embedding's all-reduce, megatron/mpu/layers.py); the cost model counts what it keeps for
+    # backward on the embedding's rank (cost_models/activations.embedding_activation_bytes); titan-run's
+    # models have no embedding norm
+    embed_norm: bool = False
     rope_theta: float = field(default=500000.0, metadata=_POSITIVE_OPEN)
     norm_eps: float = field(default=1e-5, metadata=_POSITIVE_OPEN)
     max_seq_len: int = field(default=8192, metadata=_POSITIVE)
