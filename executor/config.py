@@ -373,6 +373,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         key = "pp" if plan.pp > 1 else "tp"
         raise ConfigError(f"plan key '{key}' is {getattr(plan, key)} but model '{spec.name}' ties its embeddings "
                           f"(tie_embeddings): titan-run keeps them tied only with pp 1 and tp 1 (set {key}: 1)")
+    if spec.embed_norm:   # a cost-model fact of other frameworks' models (BLOOM's --embed-layernorm)
+        raise ConfigError("model key 'embed_norm' is true, but titan-run's models have no embedding norm (set it false)")
     problems = check_plan(plan, target, tp_within_node=False)
     if problems:
         reason, msg = problems[0]
