@@ -37,6 +37,23 @@ dtensor 1,744-1,898 tokens/s), and the same plan with the typed eager islands in
 tp2_compile 1.261x (01:27) was measured while two other jobs loaded the machine (load 4.4 after): soft.  Without TP the MoE step is plain local tensors on both backends
 (the dtensor path's only DTensors are the experts' weights, ``to_local`` per forward), so parity is what
 this row can show; the gains are on TP.
+
+tp2_compile, the 0.907x looked into (2026-12-02 07:56-08:07).  ``TORCH_LOGS=graph_breaks,recompiles``, 6 steps on each
+backend: no graph break, no recompile; one compiled graph per block on both (two CompiledFxGraph calls a block a
+step, forward and backward).  Both backends' trainers in the same 2 processes, alternating steps (20 pairs, load
+1.7-2.3): wall spmd_types / dtensor 1.001 (quartiles 0.962-1.043), process CPU 1.004, training-thread CPU 1.036 --
+parity, not 0.907x (separate runs at load 3.9 -> 2.0).  Profile (rank 0, 3 steps): the blocks run the same compiled
+compute on both; their SP boundaries were gloo's library collectives on both (funcol in the graph: a reduce-scatter is
+gloo's clone + full all-reduce + chunk copy), and spmd_types does more in the eager root (the vocab-parallel
+embedding's masked lookup and its reduce-scatter, the typed loss; dtensor keeps the embedding replicated under
+compile).  Then the compiled boundaries as the point-to-point exchanges (custom ops ``titan::all_gather_seq`` /
+``titan::reduce_scatter_seq``, ``parallel/seq_collectives.py``; bitwise unchanged, still no graph break): before ->
+after in the same processes (40 pairs, load 1.5-2.0) process CPU 1.027x less, wall 1.004 (0.957-1.058), thread CPU
+0.994; after, spmd_types / dtensor (40 pairs, load 2.0-2.6): wall 1.056 (0.970-1.114), CPU 1.035, thread CPU 1.040,
+so on CPU work spmd_types is ~4% above dtensor under compile (the root's extra work above is the likely part,
+unmeasured on its own).  This bench after (08:03-08:07, load 6.3 -> 2.5: soft): tp2_compile 0.995x (runs 1,268-2,425
+/ 1,335-2,219).  Once the blocks are compiled the eager dispatch saving of spmd_types is gone; within this machine's
+noise the two backends are at parity there.
 """
 from __future__ import annotations
 

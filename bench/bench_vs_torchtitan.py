@@ -121,6 +121,36 @@ Tried and dropped: batching the Partial norm gradients of the grad-norm clip int
 all-reduce (spmd_types TP-only: FSDP2 already reduces them in its post-backward, 13 blocking 256-element
 redistributes a step; nothing is Partial at the clip, no change).
 
+FSDP2's all-gather as a direct exchange and its reduce-scatter left in flight (``fsdp.GlooAllGather``, received in
+place, no staging copy; ``fsdp.GlooReduceScatter._can_defer``: summed when the next one is posted or in an autograd
+final callback; bitwise unchanged), 2026-12-02.  Quiet profile first (07:33, rank 0, FSDP 2, per step, TorchTitan
+spmd_types / ours): self CPU 707 / 623 ms, mm 245 / 252 ms (114 / 129 calls), SDPA fwd+bwd 144 / 150, mul 33 / 35,
+copy_ 41 (470) / 18 (446), loss log_softmax fwd+bwd 4.5 (8 chunks) / 9.2; TorchTitan's blocking FSDP2 all-gathers
+~76 ms (17) and reduce-scatters ~47 ms (9 units); ours' blocking reduce-scatter waits 29 ms (7 units), all-gather
+copy-out waits ~15 ms (13, async), gloo's all-gather unflatten 6 ms (24 copies a step of a 426,240-element shard, in
+gloo's thread).  Paired in-process A/Bs (the same 2 ranks, variants alternating step by step, wall / process CPU /
+training-thread CPU per step, means of the ranks): stock -> direct all-gather CPU 577.7 -> 568.2 ms, thread CPU
+531 -> 535 (the sends are socket writes in the training thread now; 20 pairs, load 1.6-3.4); synchronous -> in-flight
+reduce-scatter wall paired 1.039 (lower quartile 1.005), CPU 1.000 (20 pairs, load 1.2-2.3); both vs before (30
+pairs, load 1.3-2.0): wall 592.5 / 592.7 ms, lower quartile 583.8 -> 572.0, paired 1.005, CPU 559.7 -> 551.3 (1.008).
+Quiet profile after (08:11): self CPU 645 / 621 ms; the blocks' reduce-scatters 0.7-2.6 ms each, the wait is now at
+the root unit's in FSDP2's final callback (25 ms: embedding + LM head, 1.05 M elements, after the last block's);
+isend / irecv 20 + 20 a step, 9.7 + 15.8 ms.  Measured 08:08-08:11 on a quiet machine (the rest of the machine
+0.00-0.16 cores, load1 1.7-2.1 = these runs), TorchTitan spmd_types / ours before (98e4dde) / ours after, medians of 3
+alternating rounds: FSDP 2 1,606 / 1,791 / 1,801 tok/s/rank, after/TT 1.108x (rounds 1.095, 1.144, 1.108; before
+1.102x), fast quartile 1.125x (before 1.101x), CPU ms per step 575 / 543 / 530 (CPU-work ratio 1.050 -> 1.070).  The
+goal (>= 1.2x) is not met on FSDP 2: at TorchTitan's 1,606 tok/s it needs 1,927, i.e. 531 ms a step, which is ours'
+whole CPU work per step with no idle at all; of that, mm + SDPA + the elementwise ops are ~480 ms, the same kernels on
+both sides.  Tried and dropped (measured): not resharding the last block after forward (TorchTitan's default): paired
+CPU 1.0025 and 1.006 in two A/Bs, wall within the noise; TorchTitan's FSDP units outside the blocks (the embedding;
+norm + LM head) instead of one root unit: paired wall 0.977, CPU 0.985 (slower: three units' FSDP2 overhead; 30
+pairs, load 0.7-2.2); the loss's log_softmax in 8 row chunks (TorchTitan chunks its loss): bitwise the same, one
+thread fwd+bwd at [1024, 2048] 4.34 -> 4.89 ms (slower).  TP 2 is unchanged by these (its FSDP axis has one rank), 08:16-08:19,
+quiet (the rest of the machine 0.00 cores, one round 0.37), TT / before / after: 1,204 / 1,443 / 1,438 tok/s/rank,
+after/TT 1.194x (rounds 1.194, 1.276, 1.132; before 1.194x), CPU ms per step 356 / 293 / 295 (CPU-work ratio 1.210);
+ours idles ~60 ms of its ~355 ms step there (wall minus CPU: the ~75 blocking TP exchanges a step).  Last, the
+fast-quartile ratios of that run: TP 2 after/TT 1.245x (before 1.243x); of the FSDP 2 run above: 1.125x.
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
