@@ -13,10 +13,11 @@ believing only as far as the pick rests on validated terms: the summary splits t
 
     python bench/bench_pick_vs_published.py [--set shared|extra|both] [--top N]
 
-Prints the table, then the summary line last.  Measured 2026-12-02 (both sets, 43 s): 177 jobs (7 BLOOM jobs have
-no pick: titan-run keeps tied embeddings tied only with tp 1 and pp 1); claimed speedup median 1.09x (1.15x over the
-published layouts' measured tokens/s; 1.10x ranked by p90), >= 1.5x on 17 jobs; picks resting on validated terms only:
-130 (median 1.08x), on an uncovered term: 47 (median 1.16x, mostly ZBVZeroBubble on a dense model); the published
+Prints the table, then the summary line last.  Measured 2026-12-02 on the session's final data (both sets, ~45 s):
+177 jobs (7 BLOOM jobs have no pick: titan-run keeps tied embeddings tied only with tp 1 and pp 1); claimed speedup
+median 1.09x (1.15x over the published layouts' measured tokens/s; 1.09x ranked by p90), >= 1.5x on 17 jobs (19 over
+the measured); picks resting on validated terms only: 127 (median 1.08x), on an uncovered term: 50 (median 1.16x,
+mostly ZBVZeroBubble on a dense model); the published
 layouts' median |error| 6.4%.  Where the large claims come from, read off the table: no activation recompute where
 the published run recomputed everything (MPT on 128-512 H100: full -> none, 1.29x); no pipeline where a paper about
 pipelines ran one (Zero Bubble 1.5B on 8 GPUs, PP 8 -> FSDP 8: 1.8x); a pipeline whose last stage also holds a
@@ -39,7 +40,7 @@ import validate_reference as vr  # noqa: E402
 
 from cost_models.coefficients import Coefficients  # noqa: E402
 from cost_models.uncertainty import uncovered_at  # noqa: E402
-from planner.plan_command import _default_space  # noqa: E402
+from planner.plan_command import default_space  # noqa: E402
 from planner.rank import PlanningError, plan_candidates  # noqa: E402
 from search_spaces.space import load_space  # noqa: E402
 
@@ -65,7 +66,7 @@ def jobs(which: str):
 
 def pick(case, rank_by: str):
     """(pick's plan, its predicted step, its not_validated list, the published layout's predicted step)."""
-    space = load_space(_default_space(case.model, case.workload))
+    space = load_space(default_space(case.model, case.workload))
     knobs = {**space.knobs, "compile": (bool(case.plan.compile),), "float8": (bool(case.plan.float8),)}
     space = dataclasses.replace(space, knobs=knobs)
     res = plan_candidates(space, case.model, case.hw, case.workload, world_size=case.plan.world_size,
@@ -82,7 +83,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for c in jobs(args.set):
-        pred = vr.predict(c)
         est = vr.estimate(vr.CandidateTable.from_plans([c.plan]), c.model, c.hw, c.workload, Coefficients())
         pub_step, pub_p90 = float(est.step_time_s[0]), float(est.step_time_p90_s[0])
         try:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         except PlanningError as e:
             print(f"{c.id}: no pick ({e})")
             continue
-        err = pred["tokens_per_s_per_gpu"] / c.measured["tokens_per_s_per_gpu"] - 1.0
+        err = float(est.tokens_per_s_per_gpu[0]) / c.measured["tokens_per_s_per_gpu"] - 1.0
         rows.append(dict(id=c.id, err=err, claim=pub_step / step, vs_meas=(pub_step / step) * (1.0 + err), claim90=pub_p90 / step9, pick=p.describe(),
                          published=c.plan.describe(), uncovered=uncovered))
     rows.sort(key=lambda r: -r["claim"])

@@ -421,6 +421,7 @@ def build_case(row) -> Case:
         measured["tokens_per_s_per_gpu"] = float(meas["tflops_per_gpu_with_recompute"]) * 1e12 / per_token
     if "peak_mem_gib" in meas:
         measured["peak_mem_gib"] = float(meas["peak_mem_gib"])
+    smi_ranks = ("first",)          # the pipeline ranks an nvidia-smi reading saw (only rows that carry one)
     if isinstance(meas.get("mem_gb_column"), (int, float)) and source == "megatron-deepspeed-2022":
         measured["nvidia_smi_gib"] = float(meas["mem_gb_column"])   # an nvidia-smi reading (module docstring)
         smi_ranks = ("first", "last") if "section 'Best TFLOPs'" in str(row["source"].get("path", "")) else ("first",)
@@ -443,7 +444,7 @@ def build_case(row) -> Case:
     if oom and measured:
         raise ValueError("a row that ran out of memory has no measured figures")
     return Case(rid, model, hw, workload, plan, measured, not_counted, trained and not oom, oom,
-                smi_ranks if "nvidia_smi_gib" in measured else ("first",))
+                smi_ranks)
 
 
 def load_rows(ref_dir: Path | None = None) -> list[dict]:
@@ -477,7 +478,9 @@ def predict(case: Case, coeffs: Coefficients | None = None) -> dict:
             "capacity_gib": float(est.capacity_bytes) / GIB,
             "params_opt_gib": (m["params"] + m["grads"] + m["optimizer"]) / GIB,
             "activations_gib": m["activations"] / GIB, "mfu": float(est.mfu[0]),
-            "nvidia_smi_gib": nvidia_smi_gib(case, est_table, coeffs)}
+            # the per-rank breakdown again, only for the rows that carry an nvidia-smi reading
+            **({"nvidia_smi_gib": nvidia_smi_gib(case, est_table, coeffs)} if "nvidia_smi_gib" in case.measured
+               else {})}
 
 
 def nvidia_smi_gib(case: Case, table, coeffs: Coefficients) -> float:

@@ -19,7 +19,8 @@ from .rank import PlanningError, plan_candidates, smallest_fitting_world
 from .trials import TrialSettings, run_trials
 
 
-def _default_space(model, workload) -> str:
+def default_space(model, workload) -> str:
+    """The search space `titan-plan` takes when --space is not given."""
     if model.is_moe:
         return "moe"
     return "long_context" if workload.seq_len >= 32768 else "dense"
@@ -29,7 +30,7 @@ def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     d = read_question(args.plan_file, args)[1]
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
-    space = load_space(args.space or _default_space(q.model, q.workload))
+    space = load_space(args.space or default_space(q.model, q.workload))
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
                           coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by)
     elapsed = time.perf_counter() - t0

@@ -69,7 +69,7 @@ def candidates(plan: Plan, workload, model) -> list[Remedy]:
 
 
 def _apply(plan: Plan, workload, changes: list[Remedy]):
-    p = {**plan.to_dict()}
+    p = dict(plan.to_dict())
     w: dict[str, Any] = {}
     for r in changes:
         p.update(r.plan)
