@@ -351,10 +351,11 @@ def build_case(row) -> Case:
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
     zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
     compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
-    # a stated norm kernel (TorchTitan's norm_type); unstated: PyTorch's composite, fused exactly when compiled
-    # (norm_impl auto would be titan-run's own eager norm)
+    # a stated norm kernel (TorchTitan's norm_type); unstated: the framework regime's, else PyTorch's composite,
+    # fused exactly when compiled (norm_impl auto would be titan-run's own eager norm)
     norm_text = str(par.get("norm_type", "")).lower()
-    norm = "fused" if norm_text.startswith("fused") else "eager" if norm_text else "composite"
+    norm = ("fused" if norm_text.startswith("fused") else "eager" if norm_text else
+            str(get_framework(FRAMEWORK_OF[source]).workload.get("norm_impl", "composite")))
     # BLOOM runs before DeepSpeed's BF16 optimizer: fp16, gradients accumulated in 16 bits by autograd
     prec = str(par.get("precision", "")).lower()
     # (or dated before it: the table row's MM-DD of 2022, section 'Rebalancing layers': from 02-28 "the testing is
