@@ -148,11 +148,12 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
     col_in = FULL if workload.tp_keeps_gathered else SEQ    # where a column-parallel input lives
     t[SEQ] = 2 * _norm_saved_bytes(model, workload, compiled, e, h) + 2 * drop * h   # two norms, two dropout masks
     t[col_in] += 2 * lin * h                          # QKV and FFN inputs
-    # GQA K/V expansion (``Workload.gqa_kv``): the executor (CoreAttention, repeat_interleave) and TorchTitan
-    # (repeat_kv) expand K and V to n_heads before SDPA, which saves the expanded copies; the un-expanded
-    # K (after RoPE) and V are not saved (repeat's backward needs no input), so they are freed.
-    # Megatron's fused kernels take GQA K/V as they are.  (Measured with saved_tensors_hooks on
-    # llama3-debug: Q, K and V saved at n_heads * head_dim each.)
+    # GQA K/V expansion (``Workload.gqa_kv``): TorchTitan (repeat_kv) expands K and V to n_heads before
+    # SDPA, which saves the expanded copies; the un-expanded K (after RoPE) and V are not saved (repeat's
+    # backward needs no input), so they are freed.  titan-run (CoreAttention: SDPA with enable_gqa; the
+    # ring's flash kernels under CP) and Megatron's fused kernels take GQA K/V as they are.  (Measured
+    # with saved_tensors_hooks on llama3-debug: Q at n_heads * head_dim, K and V at n_kv_heads * head_dim
+    # natively, n_heads * head_dim each expanded; tests/test_gqa_native.py.)
     if workload.gqa_kv_expanded and model.attention != "mla":
         d_k = d_v = d_o
     t[SHARD] = e * (d_qk + d_k + d_v) + saved.attn_out * d_o     # Q, K, V (RoPE applied) and out-proj input

@@ -140,10 +140,10 @@ class Workload:
     ``bias_swiglu_impl``, Transformer Engine's, Liger's ``LigerSiLUMulFunction``); ``auto`` is ``fused`` for
     the megatron layout and ``eager`` for fsdp2 (titan-run, TorchTitan).
     ``gqa_kv`` is how the attention kernel takes grouped-query K and V (models with fewer kv heads than
-    heads): ``expanded`` (titan-run and TorchTitan repeat K and V to n_heads before SDPA, which saves the
-    expanded copies) or ``native`` (the kernel reads the kv heads as they are and keeps K and V at
-    n_kv_heads width: flash-attn, cuDNN and Transformer Engine attention, hence Megatron); ``auto`` is
-    ``expanded`` for fsdp2 and ``native`` for megatron.
+    heads): ``expanded`` (TorchTitan repeats K and V to n_heads before SDPA, ``repeat_kv``, which saves
+    the expanded copies) or ``native`` (the kernel reads the kv heads as they are and keeps K and V at
+    n_kv_heads width: titan-run's SDPA with ``enable_gqa`` and its ring attention, flash-attn, cuDNN and
+    Transformer Engine attention, hence Megatron); ``auto`` is ``native`` for both layouts.
 
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
@@ -258,11 +258,11 @@ class Workload:
 
     @property
     def gqa_kv_expanded(self) -> bool:
-        """``gqa_kv`` with ``auto`` resolved by the state layout: True when K and V are repeated to n_heads
-        before the attention kernel (and saved so)."""
-        if self.gqa_kv != "auto":
-            return self.gqa_kv == "expanded"
-        return self.state_layout == "fsdp2"
+        """``gqa_kv`` with ``auto`` resolved: True when K and V are repeated to n_heads before the attention
+        kernel (and saved so).  ``auto`` is native for both layouts: titan-run (fsdp2) passes GQA K/V to
+        SDPA with ``enable_gqa`` (CoreAttention) and its ring attention's flash kernels take them as they
+        are (ring_attention.py), Megatron's fused kernels too; TorchTitan's regime sets ``expanded``."""
+        return self.gqa_kv == "expanded"
 
     def norm_fused(self, compiled: bool) -> bool:
         """``norm_impl`` with ``auto`` / ``composite`` resolved by compile: a compiled block's norm is fused."""

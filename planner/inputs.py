@@ -59,9 +59,9 @@ WORKLOAD_HELP = {
     "swiglu_impl": "SwiGLU kernel: auto (default: fused for megatron, else eager), eager (autograd of the plain "
                    "code keeps gate, up, silu(gate) and the product; 2 of them when compiled: titan-run, TorchTitan) "
                    "or fused (one kernel keeping gate and up, the down projection its input: Megatron, TE, Liger)",
-    "gqa_kv": "how attention takes grouped-query K/V: auto (default: expanded for fsdp2, native for megatron), "
-              "expanded (repeated to n_heads before SDPA and saved so: titan-run, TorchTitan) or native (kept at "
-              "n_kv_heads: flash-attn, cuDNN, Transformer Engine)",
+    "gqa_kv": "how attention takes grouped-query K/V: auto (default: native), expanded (repeated to n_heads "
+              "before SDPA and saved so: TorchTitan's repeat_kv) or native (kept at n_kv_heads: titan-run's SDPA "
+              "with enable_gqa, flash-attn, cuDNN, Transformer Engine)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "

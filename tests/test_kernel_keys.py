@@ -1,6 +1,7 @@
 """Workload keys ``swiglu_impl`` / ``gqa_kv``: the SwiGLU kernel and how attention takes grouped-query K/V, by
 flag and plan file (both were tied to ``state_layout`` before: fsdp2 = titan-run's eager SwiGLU and expanded
-K/V, megatron = fused SwiGLU and native K/V).  What each keeps is counted on the executor model's own saved
+K/V, megatron = fused SwiGLU and native K/V; ``gqa_kv: auto`` is now native for both, titan-run passing GQA
+K/V to SDPA with enable_gqa, and TorchTitan's regime states ``expanded``).  What each keeps is counted on the executor model's own saved
 tensors in tests/test_memory.py; here, the keys on a flagship layout and through the CLI."""
 from __future__ import annotations
 
@@ -37,17 +38,18 @@ def test_each_key_removes_what_it_names_on_the_405b_layout():
     """Per layer and micro-batch on a TP 8 rank (8,192 tokens, bf16): native K/V saves (128 - 8) x 128 x 2 (K
     and V) / 8 x 2 bytes per token less; a fused SwiGLU one ffn-width tensor (53,248 / 8 x 2 bytes) less.  The
     ratio of the two savings does not depend on the in-flight count."""
-    base = _activations()
+    base = _activations(gqa_kv="expanded")
+    assert _activations() == _activations(gqa_kv="native")            # auto: native
     gqa = base - _activations(gqa_kv="native")
-    swiglu = base - _activations(swiglu_impl="fused")
+    swiglu = base - _activations(gqa_kv="expanded", swiglu_impl="fused")
     per_tok_gqa = 2 * (L405.n_heads - L405.n_kv_heads) * L405.head_dim / 8 * 2
     per_tok_swiglu = L405.ffn_hidden / 8 * 2
     assert gqa > 0 and swiglu > 0
     assert gqa / swiglu == pytest.approx(per_tok_gqa / per_tok_swiglu, rel=1e-9)
     both = base - _activations(gqa_kv="native", swiglu_impl="fused")
     assert both == pytest.approx(gqa + swiglu, rel=1e-9)
-    # the megatron layout's defaults are these two kernels: stating titan-run's restores the fsdp2 figure
-    # of the same terms (the layout's other regimes -- TP shards, Megatron's loss -- are held fixed)
+    # the megatron layout's defaults are these two kernels: stating the expanded, eager ones restores the
+    # fsdp2 figure of the same terms (the layout's other regimes -- TP shards, Megatron's loss -- are held fixed)
     meg = dict(state_layout="megatron", zero=1, tp_activations="gathered", pp_sent_tensors="kept", loss_impl="eager",
                moe_weighting="combine", grad_accum="autograd")
     assert _activations(**meg) == pytest.approx(base - gqa - swiglu, rel=1e-9)
@@ -76,14 +78,14 @@ def test_bad_values_are_refused_in_one_line():
 
 
 def test_flags_plan_file_and_json_echo(tmp_path):
-    plain = json.loads(planner_cli(*ESTIMATE).stdout)
-    assert plain["workload"]["swiglu_impl"] == "auto" and plain["workload"]["gqa_kv"] == "auto"
+    plain = json.loads(planner_cli(*ESTIMATE, "--gqa-kv", "expanded").stdout)
+    assert plain["workload"]["swiglu_impl"] == "auto" and plain["workload"]["gqa_kv"] == "expanded"
     r = planner_cli(*ESTIMATE, "--swiglu-impl", "fused", "--gqa-kv", "native")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["workload"]["swiglu_impl"] == "fused" and doc["workload"]["gqa_kv"] == "native"
     saved = plain["predicted"]["memory_gib"]["activations"] - doc["predicted"]["memory_gib"]["activations"]
-    want = (_activations() - _activations(gqa_kv="native", swiglu_impl="fused")) / GIB
+    want = (_activations(gqa_kv="expanded") - _activations(gqa_kv="native", swiglu_impl="fused")) / GIB
     assert saved == pytest.approx(want, rel=1e-3) and saved > 1.0
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"model": "llama3-405b", "plan": PLAN.to_dict(), "workload": {
@@ -95,4 +97,4 @@ def test_flags_plan_file_and_json_echo(tmp_path):
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
     assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused", ["auto", "eager"])
-    assert_titan_run_refuses(tmp_path, "gqa_kv", "native", ["auto", "expanded"])
+    assert_titan_run_refuses(tmp_path, "gqa_kv", "expanded", ["auto", "native"])

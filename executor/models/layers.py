@@ -80,14 +80,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class CoreAttention(nn.Module):
-    """Causal scaled-dot-product attention; k/v may have fewer (kv) heads."""
+    """Causal scaled-dot-product attention; k/v may have fewer (kv) heads (GQA).
+
+    Grouped-query K/V go to SDPA as they are (``enable_gqa``, torch >= 2.5): the flash kernels (CPU and
+    CUDA) and cuDNN read the kv heads natively, so autograd keeps K and V at ``n_kv_heads`` width, not
+    the ``repeat_interleave`` copies at ``n_heads`` width an explicit expansion would save (the cost
+    model's ``Workload.gqa_kv``: ``native``).  Output equals the expanded path's bit for bit on the CPU
+    flash kernel; dK/dV differ in the last bits (the group's sum is taken in another order)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class FeedForward(nn.Module):

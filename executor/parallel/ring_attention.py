@@ -32,9 +32,13 @@ gradient back to its owner.
 MLA (value width != query/key width): the ring and the ``math`` kernel take
 any widths; the flash kernels get zero-padded copies (``_pad_heads``, exact).
 
-GQA: k/v keep their ``kv_heads`` on the wire (less traffic); kernels that
-need equal head counts get a ``repeat_interleave`` copy and their dK/dV are
-summed back over the ``n_heads/kv_heads`` group.
+GQA: k/v keep their ``kv_heads`` everywhere: on the wire (less traffic), in
+what the autograd function saves, and in every block kernel -- the flash
+kernels take fewer K/V heads natively (the aten CPU flash op and its backward,
+as SDPA's ``enable_gqa`` runs them: dK/dV come back at ``kv_heads``, summed
+over each group inside the kernel; the CUDA one is FlashAttention-2's
+``num_heads_k``, which SDPA's flash check admits for GQA), and ``math``
+broadcasts over the group.  No ``n_heads``-wide copy of K/V is made.
 
 Per-block kernels (``TITAN_RING_KERNEL`` env var overrides the choice):
 
@@ -75,12 +79,6 @@ class _BlockKernel:
         self.scale = scale
 
     @staticmethod
-    def _expand(k: torch.Tensor, v: torch.Tensor, rep: int):
-        if rep == 1:
-            return k, v
-        return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-
-    @staticmethod
     def _pad_heads(q, k, v, *vlike):
         """Zero-pad q/k and v (and `vlike`: dout, out) to one head width, for flash kernels that need
         equal q/k/v widths (MLA: v_head_dim != qk_nope + qk_rope).  Exact: zero q/k columns leave
@@ -92,14 +90,6 @@ class _BlockKernel:
         d = max(dqk, dv)
         pad = lambda t: torch.nn.functional.pad(t, (0, d - t.shape[-1])) if t.shape[-1] < d else t  # noqa: E731
         return (pad(q), pad(k), pad(v), *(pad(t) for t in vlike))
-
-    @staticmethod
-    def _reduce(dk: torch.Tensor, dv: torch.Tensor, rep: int):
-        if rep == 1:
-            return dk, dv
-        b, h, s, d = dk.shape
-        return (dk.view(b, h // rep, rep, s, d).sum(2),
-                dv.view(b, h // rep, rep, s, dv.shape[-1]).sum(2))
 
 
 class _MathKernel(_BlockKernel):
@@ -143,11 +133,11 @@ class _MathKernel(_BlockKernel):
 
 
 class _CpuFlashKernel(_BlockKernel):
+    """The CPU flash kernel via aten; GQA K/V at kv heads (dK/dV returned so)."""
+
     name = "cpu_flash"
 
     def fwd(self, q, k, v, causal):
-        rep = q.shape[1] // k.shape[1]
-        k, v = self._expand(k, v, rep)
         dv = v.shape[-1]
         q, k, v = self._pad_heads(q, k, v)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -155,25 +145,20 @@ class _CpuFlashKernel(_BlockKernel):
         return out[..., :dv], lse, None
 
     def bwd(self, dout, q, k, v, out, lse, causal, aux):
-        rep = q.shape[1] // k.shape[1]
-        k, v = self._expand(k, v, rep)
         dqk, dvw = q.shape[-1], v.shape[-1]
         q, k, v, dout, out = self._pad_heads(q, k, v, dout, out)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal,
             scale=self.scale)
-        dk, dv = self._reduce(dk[..., :dqk], dv[..., :dvw], rep)
-        return dq[..., :dqk], dk, dv
+        return dq[..., :dqk], dk[..., :dqk], dv[..., :dvw]
 
 
 class _CudaFlashKernel(_BlockKernel):
-    """FlashAttention-2 via aten (fp16/bf16 only).  Not run in CI (no GPU)."""
+    """FlashAttention-2 via aten (fp16/bf16 only); GQA K/V at kv heads.  Not run in CI (no GPU)."""
 
     name = "cuda_flash"
 
     def fwd(self, q, k, v, causal):
-        rep = q.shape[1] // k.shape[1]
-        k, v = self._expand(k, v, rep)
         dv = v.shape[-1]
         q, k, v = self._pad_heads(q, k, v)
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=self.scale)
@@ -182,16 +167,13 @@ class _CudaFlashKernel(_BlockKernel):
         return out[..., :dv], lse, tuple(res[2:8])
 
     def bwd(self, dout, q, k, v, out, lse, causal, aux):
-        rep = q.shape[1] // k.shape[1]
-        k, v = self._expand(k, v, rep)
         dqk, dvw = q.shape[-1], v.shape[-1]
         q, k, v, dout, out = self._pad_heads(q, k, v, dout, out)
         cum_q, cum_k, _, _, seed, offset = aux
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k,
             q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=self.scale)
-        dk, dv = self._reduce(dk[..., :dqk], dv[..., :dvw], rep)
-        return dq[..., :dqk], dk, dv
+        return dq[..., :dqk], dk[..., :dqk], dv[..., :dvw]
 
 
 def choose_kernel(q: torch.Tensor, name: str | None = None) -> str:
