@@ -64,7 +64,7 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     causal attention), against the dense bf16 peak (fp32 peak when the workload is fp32),
     also for float8 candidates.
     """
-    coeffs = workload.with_overlaps(coeffs or Coefficients())     # tp_comm_overlap / dp_comm_overlap
+    coeffs = workload.with_overlaps(coeffs or Coefficients(), hw)     # tp_comm_overlap / dp_comm_overlap
     n = len(table)
     mem = memory_breakdown(table, model, workload, coeffs, hw=hw)
     tim = step_time_breakdown(table, model, hw, workload, coeffs)

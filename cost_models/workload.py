@@ -115,7 +115,8 @@ class Workload:
     userbuffers pipelining each TP collective with its matmul; FSDP2's prefetched all-gathers and
     reduce-scatters, Megatron's overlapped bucket reduction) or ``auto`` (the coefficients' ``tp_overlap`` /
     ``dp_overlap``: a framework regime's or a calibration file's value, by default none for TP and full
-    for DP).  Either way what stays exposed is max(0, collective - concurrent compute), per block
+    for DP; TP under the megatron layout on Hopper or later GPUs is full, :meth:`tp_overlap_auto`).
+    Either way what stays exposed is max(0, collective - concurrent compute), per block
     (``step_time.py``, ``data_parallel.py``); :meth:`with_overlaps` applies them.
 
     ``moment_dtype`` is the dtype of AdamW's two moments (exp_avg, exp_avg_sq): ``fp32`` (this executor,
@@ -286,12 +287,25 @@ class Workload:
             return self.loss_impl
         return "fused" if self.state_layout == "megatron" else "eager"
 
-    def with_overlaps(self, coeffs):
+    def tp_overlap_auto(self, hw) -> bool:
+        """True when ``tp_comm_overlap: auto`` means ``full``: the megatron layout on a GPU generation that
+        Transformer Engine's userbuffers TP overlap has recipes for.  NVIDIA's performance recipes turn it on
+        with a per-GPU userbuffers config, and ship them for H100, B200 and GB200 only (Megatron-Bridge
+        ``COMM_OVERLAP_CONFIG_MAP``, NeMo ``recipes/tp_overlap_configs/userbuffers.py``: no A100 entry); the
+        float8-capable NVIDIA (``device: cuda``) presets are those generations.  Older GPUs (A100-era Megatron,
+        DeepSpeed), other vendors and the fsdp2 layout keep the coefficients' value."""
+        return (self.tp_comm_overlap == "auto" and self.state_layout == "megatron" and hw is not None
+                and getattr(hw, "device", "") == "cuda" and bool(getattr(hw, "supports_float8", False)))
+
+    def with_overlaps(self, coeffs, hw=None):
         """`coeffs` with ``tp_overlap`` / ``dp_overlap`` set by ``tp_comm_overlap`` / ``dp_comm_overlap``
-        (none -> 0, full -> 1); ``auto`` keeps the coefficients' own value."""
+        (none -> 0, full -> 1); ``auto`` keeps the coefficients' own value, except TP under
+        :meth:`tp_overlap_auto` (given the hardware `hw`), which is ``full``."""
         over = {name: 0.0 if value == "none" else 1.0
                 for name, value in (("tp_overlap", self.tp_comm_overlap), ("dp_overlap", self.dp_comm_overlap))
                 if value != "auto"}
+        if self.tp_overlap_auto(hw):
+            over["tp_overlap"] = 1.0
         return coeffs.replace(**over) if over else coeffs
 
     @property

@@ -89,8 +89,9 @@ WORKLOAD_HELP = {
                     "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only; titan-run runs both, every_microbatch "
                     "not on the V schedules)",
     "tp_comm_overlap": "TP collectives: auto (default: the framework's or calibration's tp_overlap; titan-run: "
-                       "none), none (on the critical path: plain TP) or full (under the block's matmuls: Megatron's "
-                       "tp_comm_overlap userbuffers)",
+                       "none; the megatron layout on H100/H200/B200: full, as NVIDIA's recipes), none (on the "
+                       "critical path: plain TP) or full (under the block's matmuls: Megatron's tp_comm_overlap "
+                       "userbuffers)",
     "moment_dtype": "AdamW's two moments: fp32 (default; titan-run) or bf16 (DeepSeek-V3, arXiv:2412.19437 Sec. "
                     "3.3.3; Megatron-core's --exp-avg-dtype bf16): 4 instead of 8 optimizer bytes per parameter, the "
                     "fp32 master copy unchanged",
