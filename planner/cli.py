@@ -160,7 +160,8 @@ def _add_estimate_parser(sub) -> None:
     pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default: the fastest of none, "
                     "selective, full that fits; the choice is printed)")
     pe.add_argument("--reshard", dest="reshard_after_forward", action=argparse.BooleanOptionalAction,
-                    default=None, help="FSDP reshard after forward (default yes)")
+                    default=None,
+                    help="FSDP reshard after forward (default: not given, the faster setting that fits, as for --ac)")
     pe.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile")
     pe.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None, help="float8 linears")
     pe.add_argument("--backend", choices=BACKENDS, help="executor backend (default spmd_types)")

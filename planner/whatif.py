@@ -7,12 +7,14 @@ micro-batches than torch's schedules accept (e.g. 1F1B, PP 12, 2 micro-batches) 
 predicted, with one line saying that titan-run cannot run that schedule.  The search
 (`titan-plan plan`) keeps that rule.
 
-Activation checkpointing is a knob, not part of the layout: when neither a flag nor the plan
-file gives ``ac``, the estimate is the layout with the setting the search would pick for it
-(:func:`ac_variants`, :func:`choose_ac`: the fastest of none / selective / full that fits the device, else the
-smallest peak), said in one line with each setting's peak.  A published layout whose
-recompute setting is not stated is then judged by whether some setting fits, not by the
-no-recompute peak alone.
+Activation checkpointing and FSDP's reshard-after-forward are knobs, not part of the layout: when
+neither a flag nor the plan file gives ``ac``, the estimate is the layout with the setting the search
+would pick for it (:func:`ac_variants`, :func:`choose_ac`: the fastest of none / selective / full that
+fits the device, else the smallest peak), said in one line with each setting's peak; likewise
+``reshard_after_forward`` when the layout has FSDP shards to regather (``dp_shard`` > 1, the fsdp2 state
+layout): both values are in the search space, and the one the search would pick is taken and said.  A
+published layout whose recompute or resharding is not stated is then judged by whether some setting fits,
+and at the speed of the best one, not by one default alone.
 """
 from __future__ import annotations
 
@@ -63,25 +65,57 @@ def choose_ac(plans: list[Plan], est: Estimates) -> int:
     return int(np.argmin(est.peak_memory_bytes))
 
 
-def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan") -> list[Plan]:
+def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan",
+                workload=None) -> list[Plan]:
     """`layout` completed (a what-if: ``runnable=False``); one plan per setting of :data:`AC_ORDER`
-    when it gives no ``ac``, else just the one."""
+    when it gives no ``ac``, else just the one; each of them with reshard-after-forward on and off when the
+    layout gives no ``reshard_after_forward`` and it matters (FSDP shards, ``dp_shard`` > 1, under the
+    fsdp2 state layout of `workload`)."""
     settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER]
-    return [Plan.complete({**layout, **s}, world_size=world_size, global_batch=global_batch, runnable=False,
-                          where=where) for s in settings]
+
+    def complete(extra: dict) -> list[Plan]:
+        return [Plan.complete({**layout, **s, **extra}, world_size=world_size, global_batch=global_batch,
+                              runnable=False, where=where) for s in settings]
+    plans = complete({})
+    fsdp2 = workload is None or workload.state_layout == "fsdp2"
+    if "reshard_after_forward" in layout or not fsdp2 or plans[0].dp_shard <= 1:
+        return plans
+    return [p for pair in zip(plans, complete({"reshard_after_forward": False})) for p in pair]
 
 
-def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs) -> tuple[Plan, Estimates, int, str | None]:
-    """Estimate `plans` (from :func:`ac_variants`) at once and keep the one :func:`choose_ac` picks: (plan,
-    the estimate of all `plans`, the picked row, the one-line note saying what was chosen, or None when
-    there was one plan)."""
+def _pick(rows: list[int], est: Estimates) -> int:
+    """Of `rows`, the fastest that fits, else the smallest peak (ties: the earlier)."""
+    fits = [j for j in rows if est.fits[j]]
+    if fits:
+        return min(fits, key=lambda j: est.step_time_s[j])
+    return min(rows, key=lambda j: est.peak_memory_bytes[j])
+
+
+def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
+                         ) -> tuple[Plan, Estimates, int, str | None, str | None]:
+    """Estimate `plans` (from :func:`ac_variants`) at once and keep the one the search would pick: for each
+    ``ac``, its better reshard setting, then :func:`choose_ac` over those.  Returns (plan, the estimate of
+    all `plans`, the picked row, the one-line note on ``ac`` and the one on reshard-after-forward, each
+    None when that knob was given)."""
     est = estimate(CandidateTable.from_plans(plans), model, hw, workload, coeffs)
-    if len(plans) == 1:
-        return plans[0], est, 0, None
-    i = choose_ac(plans, est)
-    peaks = ", ".join(f"{p.ac} {est.peak_memory_bytes[j] / GIB:.1f} GiB" for j, p in enumerate(plans))
-    why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
-    return plans[i], est, i, f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
+    groups: dict[str, list[int]] = {}
+    for j, p in enumerate(plans):
+        groups.setdefault(p.ac, []).append(j)
+    reps = [_pick(rows, est) for rows in groups.values()]        # one per ac, in AC_ORDER
+    i = _pick(reps, est)
+    ac_note = reshard_note = None
+    if len(reps) > 1:
+        peaks = ", ".join(f"{plans[j].ac} {est.peak_memory_bytes[j] / GIB:.1f} GiB" for j in reps)
+        why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
+        ac_note = f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
+    pair = groups[plans[i].ac]
+    if len(pair) > 1:
+        on, off = (j for j in pair)
+        why = "the faster setting that fits" if est.fits[i] else "neither fits; the smaller peak"
+        reshard_note = (f"reshard not given: '{'yes' if plans[i].reshard_after_forward else 'no'}', {why} "
+                        f"(yes: step {est.step_time_s[on]:.4g} s, peak {est.peak_memory_bytes[on] / GIB:.1f} GiB; "
+                        f"no: step {est.step_time_s[off]:.4g} s, peak {est.peak_memory_bytes[off] / GIB:.1f} GiB)")
+    return plans[i], est, i, ac_note, reshard_note
 
 
 def cmd_estimate(args) -> int:
@@ -91,7 +125,7 @@ def cmd_estimate(args) -> int:
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted
     plans = ac_variants(estimate_layout(args, given), world_size=gpus, global_batch=workload.global_batch,
-                        where=where)
+                        where=where, workload=workload)
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
@@ -104,7 +138,7 @@ def cmd_estimate(args) -> int:
     not_runnable = C.titan_run_limits(plan, target)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
-    plan, est, row, ac_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
+    plan, est, row, ac_note, reshard_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
     blocker = a2a_overlap_blocker(plan, workload)
     overlap_note = (f"ep_a2a_overlap 'combined_1f1b' does not apply to this layout ({blocker}); its all-to-alls "
                     "are counted exposed" if blocker else None)
@@ -113,12 +147,13 @@ def cmd_estimate(args) -> int:
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,
-                          "note": note, "ac_note": ac_note, "overlap_note": overlap_note,
+                          "note": note, "ac_note": ac_note, "reshard_note": reshard_note,
+                          "overlap_note": overlap_note,
                           "predicted": report.predicted(est, row), "remedies": rem}, indent=2))
         return 0
     print(f"{model.name} on {gpus} x {hw.name}: {plan.layout_str()}  {plan.knobs_str()}")
     print(q.workload_line())
-    for line in (ac_note, overlap_note, note):
+    for line in (ac_note, reshard_note, overlap_note, note):
         if line:
             print(f"note: {line}")
     print(report.format_breakdown(est, row))

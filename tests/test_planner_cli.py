@@ -319,6 +319,27 @@ def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
     assert f"note: ac not given: '{fastest}'" in capsys.readouterr().out
 
 
+def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
+    """reshard_after_forward is a knob of the search space: without --reshard / --no-reshard the estimate takes
+    the faster setting that fits (each ac's, then the ac as above) and says so; given, or meaningless (no FSDP
+    shards, the megatron layout), there is no choice and no note."""
+    args = [*LLAMA3_405B_T4, "--ac", "full"]
+    chosen = _estimate_json(capsys, *args)
+    both = {r: _estimate_json(capsys, *args, flag) for r, flag in ((True, "--reshard"), (False, "--no-reshard"))}
+    fits = {r: d for r, d in both.items() if d["predicted"]["headroom_gib"] >= 0}
+    best = min(fits, key=lambda r: fits[r]["predicted"]["step_time_s"])
+    assert both[True]["predicted"] != both[False]["predicted"], "the test needs a layout where it matters"
+    assert chosen["plan"]["reshard_after_forward"] is best
+    assert chosen["predicted"] == both[best]["predicted"]
+    assert chosen["reshard_note"].startswith(f"reshard not given: '{'yes' if best else 'no'}', the faster setting")
+    assert both[True]["reshard_note"] is None and both[False]["reshard_note"] is None
+    assert _estimate_json(capsys, *BASE_8B, "--dp-shard", "1", "--dp-replicate", "16")["reshard_note"] is None
+    mega = _estimate_json(capsys, *args, "--state-layout", "megatron", "--zero", "1")
+    assert mega["reshard_note"] is None and mega["plan"]["reshard_after_forward"] is True
+    assert main(["estimate", *args]) == 0
+    assert "note: reshard not given:" in capsys.readouterr().out
+
+
 def test_estimate_without_ac_when_nothing_fits_takes_the_smallest_peak(capsys):
     args = ["--model", "llama3-405b", "--gpus", "8", "--hardware", "h100-sxm", "--seq-len", "8192",
             "--global-batch", "8"]
