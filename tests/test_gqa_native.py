@@ -126,11 +126,9 @@ def test_loss_and_grads_match_the_expanded_path():
     model = Transformer(SPEC)
     tokens = torch.randint(0, SPEC.vocab_size, (2, 129))
     native = _loss_and_grads(model, tokens)
-    grad_fn = model(tokens[:, :8]).grad_fn
     _swap(model, RepeatKV)
     expanded = _loss_and_grads(model, tokens)
     _assert_parity(native, expanded)
-    assert grad_fn is not None
 
 
 def test_compiled_core_attention_has_no_graph_break_and_matches_eager():
