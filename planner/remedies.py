@@ -29,7 +29,6 @@ _REGIMES = (
     ("pp_sent_tensors", "freed", lambda wl, p: p.pp > 1 and wl.pp_keeps_sent),
     ("norm_impl", "fused", lambda wl, p: not wl.norm_fused(bool(p.compile))),
     ("swiglu_impl", "fused", lambda wl, p: not wl.swiglu_fused and not p.compile),
-    ("gqa_kv", "native", lambda wl, p: wl.gqa_kv_expanded),
     ("loss_impl", "fused", lambda wl, p: wl.loss_mode != "fused"),
 )
 
@@ -62,8 +61,10 @@ def candidates(plan: Plan, workload, model) -> list[Remedy]:
     if plan.pp > 1 and workload.state_layout == "fsdp2" and workload.pp_defers_grad_sync:
         out.append(Remedy(_flag("pp_grad_sync", "every_microbatch"), not plan.is_v_schedule, {},
                           {"pp_grad_sync": "every_microbatch"}))
+    if workload.gqa_kv_expanded and model.n_kv_heads < model.n_heads:     # titan-run's own: K/V unexpanded
+        out.append(Remedy(_flag("gqa_kv", "native"), True, {}, {"gqa_kv": "native"}))
     for key, value, applies in _REGIMES:
-        if applies(workload, plan) and not (key == "gqa_kv" and model.n_kv_heads >= model.n_heads):
+        if applies(workload, plan):
             out.append(Remedy(_flag(key, value), False, {}, {key: value}))
     return out
 
