@@ -29,7 +29,10 @@ from search_spaces.plan import PLAN_KEYS, Plan, PlanError
 from search_spaces.table import CandidateTable
 
 from . import report
+from search_spaces.space import load_space
+
 from .inputs import read_question, resolve_inputs
+from .plan_command import default_space
 from .remedies import format_remedies, remedies
 
 
@@ -66,21 +69,26 @@ def choose_ac(plans: list[Plan], est: Estimates) -> int:
 
 
 def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan",
-                workload=None) -> list[Plan]:
+                workload=None, model=None) -> list[Plan]:
     """`layout` completed (a what-if: ``runnable=False``); one plan per setting of :data:`AC_ORDER`
     when it gives no ``ac``, else just the one; each of them with reshard-after-forward on and off when the
     layout gives no ``reshard_after_forward`` and it matters (FSDP shards, ``dp_shard`` > 1, under the
-    fsdp2 state layout of `workload`)."""
+    fsdp2 state layout of `workload`), and, for Interleaved1F1B without ``stages_per_rank``, with each
+    stages-per-rank value of the search space `titan-plan` would take (`plan_command.default_space`) that
+    leaves every stage a layer of `model`."""
     settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER]
-
-    def complete(extra: dict) -> list[Plan]:
-        return [Plan.complete({**layout, **s, **extra}, world_size=world_size, global_batch=global_batch,
-                              runnable=False, where=where) for s in settings]
-    plans = complete({})
+    first = Plan.complete(dict(layout), world_size=world_size, global_batch=global_batch, runnable=False,
+                          where=where)
     fsdp2 = workload is None or workload.state_layout == "fsdp2"
-    if "reshard_after_forward" in layout or not fsdp2 or plans[0].dp_shard <= 1:
-        return plans
-    return [p for pair in zip(plans, complete({"reshard_after_forward": False})) for p in pair]
+    if "reshard_after_forward" not in layout and fsdp2 and first.dp_shard > 1:
+        settings = [{**s, "reshard_after_forward": r} for s in settings for r in (True, False)]
+    if (first.schedule == "Interleaved1F1B" and "stages_per_rank" not in layout and model is not None
+            and workload is not None):
+        space = load_space(default_space(model, workload))
+        vs = [v for v in space.knobs["stages_per_rank"] if first.pp * v <= model.n_layers] or [first.stages_per_rank]
+        settings = [{**s, "stages_per_rank": v} for s in settings for v in vs]
+    return [Plan.complete({**layout, **s}, world_size=world_size, global_batch=global_batch, runnable=False,
+                          where=where) for s in settings]
 
 
 def _pick(rows: list[int], est: Estimates) -> int:
@@ -91,31 +99,39 @@ def _pick(rows: list[int], est: Estimates) -> int:
     return min(rows, key=lambda j: est.peak_memory_bytes[j])
 
 
+_FREE = (("reshard_after_forward", "reshard", lambda v: "yes" if v else "no"),
+         ("stages_per_rank", "stages-per-rank", str))     # the knobs besides ac that an estimate may choose
+
+
 def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
-                         ) -> tuple[Plan, Estimates, int, str | None, str | None]:
+                         ) -> tuple[Plan, Estimates, int, str | None, list[str]]:
     """Estimate `plans` (from :func:`ac_variants`) at once and keep the one the search would pick: for each
-    ``ac``, its better reshard setting, then :func:`choose_ac` over those.  Returns (plan, the estimate of
-    all `plans`, the picked row, the one-line note on ``ac`` and the one on reshard-after-forward, each
-    None when that knob was given)."""
+    ``ac``, its best setting of the other free knobs, then :func:`choose_ac`'s rule over those.  Returns
+    (plan, the estimate of all `plans`, the picked row, the one-line note on ``ac`` or None when it was
+    given, and one note per other knob that was chosen: reshard-after-forward, stages per rank)."""
     est = estimate(CandidateTable.from_plans(plans), model, hw, workload, coeffs)
     groups: dict[str, list[int]] = {}
     for j, p in enumerate(plans):
         groups.setdefault(p.ac, []).append(j)
     reps = [_pick(rows, est) for rows in groups.values()]        # one per ac, in AC_ORDER
     i = _pick(reps, est)
-    ac_note = reshard_note = None
+    ac_note = None
     if len(reps) > 1:
         peaks = ", ".join(f"{plans[j].ac} {est.peak_memory_bytes[j] / GIB:.1f} GiB" for j in reps)
         why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
         ac_note = f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
-    pair = groups[plans[i].ac]
-    if len(pair) > 1:
-        on, off = (j for j in pair)
-        why = "the faster setting that fits" if est.fits[i] else "neither fits; the smaller peak"
-        reshard_note = (f"reshard not given: '{'yes' if plans[i].reshard_after_forward else 'no'}', {why} "
-                        f"(yes: step {est.step_time_s[on]:.4g} s, peak {est.peak_memory_bytes[on] / GIB:.1f} GiB; "
-                        f"no: step {est.step_time_s[off]:.4g} s, peak {est.peak_memory_bytes[off] / GIB:.1f} GiB)")
-    return plans[i], est, i, ac_note, reshard_note
+    notes = []
+    chosen = plans[i]
+    for key, name, show_value in _FREE:
+        others = [k for k, _, _ in _FREE if k != key]
+        rows = [j for j in groups[chosen.ac] if all(getattr(plans[j], k) == getattr(chosen, k) for k in others)]
+        if len(rows) < 2:
+            continue
+        why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
+        each = "; ".join(f"{show_value(getattr(plans[j], key))}: step {est.step_time_s[j]:.4g} s, peak "
+                         f"{est.peak_memory_bytes[j] / GIB:.1f} GiB" for j in rows)
+        notes.append(f"{name} not given: '{show_value(getattr(chosen, key))}', {why} ({each})")
+    return chosen, est, i, ac_note, notes
 
 
 def cmd_estimate(args) -> int:
@@ -125,7 +141,7 @@ def cmd_estimate(args) -> int:
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted
     plans = ac_variants(estimate_layout(args, given), world_size=gpus, global_batch=workload.global_batch,
-                        where=where, workload=workload)
+                        where=where, workload=workload, model=model)
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
@@ -138,7 +154,7 @@ def cmd_estimate(args) -> int:
     not_runnable = C.titan_run_limits(plan, target)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
-    plan, est, row, ac_note, reshard_note = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
+    plan, est, row, ac_note, knob_notes = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
     blocker = a2a_overlap_blocker(plan, workload)
     overlap_note = (f"ep_a2a_overlap 'combined_1f1b' does not apply to this layout ({blocker}); its all-to-alls "
                     "are counted exposed" if blocker else None)
@@ -147,13 +163,13 @@ def cmd_estimate(args) -> int:
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,
-                          "note": note, "ac_note": ac_note, "reshard_note": reshard_note,
+                          "note": note, "ac_note": ac_note, "knob_notes": knob_notes,
                           "overlap_note": overlap_note,
                           "predicted": report.predicted(est, row), "remedies": rem}, indent=2))
         return 0
     print(f"{model.name} on {gpus} x {hw.name}: {plan.layout_str()}  {plan.knobs_str()}")
     print(q.workload_line())
-    for line in (ac_note, reshard_note, overlap_note, note):
+    for line in (ac_note, *knob_notes, overlap_note, note):
         if line:
             print(f"note: {line}")
     print(report.format_breakdown(est, row))

@@ -331,13 +331,33 @@ def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
     assert both[True]["predicted"] != both[False]["predicted"], "the test needs a layout where it matters"
     assert chosen["plan"]["reshard_after_forward"] is best
     assert chosen["predicted"] == both[best]["predicted"]
-    assert chosen["reshard_note"].startswith(f"reshard not given: '{'yes' if best else 'no'}', the faster setting")
-    assert both[True]["reshard_note"] is None and both[False]["reshard_note"] is None
-    assert _estimate_json(capsys, *BASE_8B, "--dp-shard", "1", "--dp-replicate", "16")["reshard_note"] is None
+    assert chosen["knob_notes"] == [n for n in chosen["knob_notes"] if n.startswith("reshard not given")]
+    assert chosen["knob_notes"][0].startswith(f"reshard not given: '{'yes' if best else 'no'}', the fastest setting")
+    assert both[True]["knob_notes"] == [] and both[False]["knob_notes"] == []
+    assert _estimate_json(capsys, *BASE_8B, "--dp-shard", "1", "--dp-replicate", "16")["knob_notes"] == []
     mega = _estimate_json(capsys, *args, "--state-layout", "megatron", "--zero", "1")
-    assert mega["reshard_note"] is None and mega["plan"]["reshard_after_forward"] is True
+    assert mega["knob_notes"] == [] and mega["plan"]["reshard_after_forward"] is True
     assert main(["estimate", *args]) == 0
     assert "note: reshard not given:" in capsys.readouterr().out
+
+
+def test_estimate_interleaved_without_stages_per_rank_takes_the_spaces_best(capsys):
+    """--schedule Interleaved1F1B without --stages-per-rank: each value of the search space titan-plan would
+    take (dense: 2 and 4) is estimated and the fastest that fits is taken and said; given, no choice."""
+    args = [*LLAMA3_405B_T4, "--ac", "full", "--no-reshard", "--schedule", "Interleaved1F1B"]
+    chosen = _estimate_json(capsys, *args)
+    by_v = {v: _estimate_json(capsys, *args, "--stages-per-rank", str(v)) for v in (2, 4)}
+    fits = {v: d for v, d in by_v.items() if d["predicted"]["headroom_gib"] >= 0}
+    best = min(fits, key=lambda v: fits[v]["predicted"]["step_time_s"])
+    assert by_v[2]["predicted"]["step_time_s"] != by_v[4]["predicted"]["step_time_s"]
+    assert chosen["plan"]["stages_per_rank"] == best and chosen["predicted"] == by_v[best]["predicted"]
+    assert chosen["knob_notes"] == [n for n in chosen["knob_notes"] if n.startswith(f"stages-per-rank not given: '{best}'")]
+    assert len(chosen["knob_notes"]) == 1 and by_v[2]["knob_notes"] == []
+    # a pipeline too short for V 4 (PP 16 x 4 > 32 layers of llama3-8b) only tries what leaves a layer per stage
+    small = _estimate_json(capsys, "--model", "llama3-8b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len",
+                           "2048", "--global-batch", "64", "--pp", "16", "--schedule", "Interleaved1F1B", "--ac",
+                           "none", "--no-reshard")
+    assert small["plan"]["stages_per_rank"] == 2 and small["knob_notes"] == []
 
 
 def test_estimate_without_ac_when_nothing_fits_takes_the_smallest_peak(capsys):
