@@ -319,6 +319,13 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
       micro-batches; at the peak of the rank holding the loss stage (pp 2, v 2: 2 micro-batches of
       forward tensors and the output gradients of 1 chunk = 0.5 of the rank's layers) about
       (pp - 1) / v micro-batches' worth of output gradients are pending.
+    * ``recv``: torch's PipelineStage allocates one receive buffer per micro-batch, at the first step,
+      and keeps it: the stage input of every non-first stage (``_prepare_forward_infra``: ``for chunk in
+      range(num_microbatches)``) and the output gradient of every non-last stage
+      (``_setup_backward_recv_info``: ``for mb_index in range(num_microbatches)``), torch 2.14
+      torch/distributed/pipelining/stage.py; n_microbatches residual-width tensors per such stage and
+      direction (executor/dry_run_step.py adds the same as ``pp_recv_buffers``).  The caller multiplies
+      by the rank's directions (2v, less one for holding the first and one for the last stage).
     """
     e = 4.0 if workload.dtype == "fp32" else 2.0
     tp = table.tp.astype(np.float64)
@@ -340,7 +347,9 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
         out_width = out_width + mult * m.n / (tp if m.shard == COL else (1.0 if m.shard == ROW else 1.0))
     zbv = table.is_schedule("ZBVZeroBubble") & piped
     deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model) * e * out_width * tokens, 0.0)
-    return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w}
+    # torch's runtime (pp_sent_tensors kept); Megatron's receives into fresh tensors per micro-batch
+    recv = np.where(piped & torch_pp, table.n_microbatches * resid, 0.0)
+    return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w, "recv": recv}
 
 
 def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from search_spaces.plan import BACKENDS
+
 from .activations import (embedding_activation_bytes, head_activation_bytes, per_layer_activation_bytes,
                           pipeline_extra_bytes)
 from .layout import (RANKS, expert_shard_fraction, in_flight_microbatches, in_flight_on_rank,  # noqa: F401
@@ -136,13 +138,20 @@ def _shared_activation_terms(table, model, workload, coeffs) -> dict:
     # lower by that); the other schedules run the loss stage's backward right after its forward.
     head_infl = np.where((table.pp > 1) & table.is_schedule("GPipe"), table.n_microbatches, 1.0)
     logit_kept, logit_turn = logit_bytes(table, workload)
-    return dict(dense_act=dense_act, moe_act=moe_act, working_set=np.maximum(ws_dense, ws_moe),
+    return dict(e=4.0 if workload.dtype == "fp32" else 2.0, tokens=tokens, dense_act=dense_act, moe_act=moe_act, working_set=np.maximum(ws_dense, ws_moe),
                 head_infl=head_infl,
                 logits_head=tokens * model.vocab_size / table.tp * (head_infl * logit_kept + logit_turn),
                 head_act=head_activation_bytes(table, model, workload, table.compile),
                 logits_turn=tokens * model.vocab_size / table.tp * (logit_kept + logit_turn),
                 pipe=pipeline_extra_bytes(table, model, workload),
                 emb_act=embedding_activation_bytes(table, model, workload))
+
+
+def dtensor_embedding_grad_full(table) -> np.ndarray:
+    """Whether the embedding's weight gradient is computed at the full vocabulary although the weight is
+    vocab-sharded: dtensor TP with the embedding sharded (executor/parallel/parallelize.py
+    tp_shards_embedding: not under compile), see `_fsdp2_state_bytes`."""
+    return (table.tp > 1) & (table.backend == BACKENDS.index("dtensor")) & ~table.compile.astype(bool)
 
 
 def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tuple[np.ndarray, ...]:
@@ -185,7 +194,16 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
     # unit are gathered then, not the stage (dry run, llama3-8b pp 2 fsdp 4, loss rank's peak:
     # 0.98 GiB unsharded = the LM head, of 7.5 GiB kept gathered in backward)
     fsdp_at_turn = np.where(fsdp_applied & regather, 2.0 * e * unit, fsdp)
-    return params, grads, optimizer, fsdp, fsdp_at_turn
+    # DTensor TP's vocab-sharded embedding (RowwiseParallel, Shard(0)) gets a *replicated* weight gradient:
+    # torch 2.14 has no Shard(0) strategy for aten.embedding_dense_backward (torch/distributed/tensor/_ops/
+    # _embedding_ops.py: colwise, batch-partial and partial only), and FSDP2 redistributes a gradient to the
+    # parameter's placements only when it reduces it (_fsdp_param.py _get_grad_inner_tensor).  When the
+    # pipeline defers the sync, the fp32 accumulated gradient is the full [vocab, dim] until REDUCE_GRAD,
+    # (tp - 1) / tp of it beyond the local shard `grads` counts (dry run, llama3-70b TP 8 x PP 4, rank 0:
+    # one [128256, 8192] fp32 gradient, 3.91 GiB, where the shard is 0.49 GiB).
+    extra = np.where(accumulate_unsharded & fsdp_applied & rp[f"{which}_has_emb"] & dtensor_embedding_grad_full(table),
+                     4.0 * model.vocab_size * model.dim * (1.0 - 1.0 / table.tp), 0.0)
+    return params, grads, optimizer, fsdp + extra, fsdp_at_turn + extra
 
 
 def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bool = False) -> tuple[np.ndarray, ...]:
@@ -243,8 +261,17 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
     infl = in_flight_on_rank(table, rank_index(table, model, which))
     pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
+    # the embedding's backward on the rank holding it: under dtensor TP its replicated weight gradient
+    # (e x vocab x dim, `dtensor_embedding_grad_full`) and the all-gathered output gradient it is computed
+    # from ([tokens, dim]) are live at once, after the blocks' backward (dry run, llama3-70b TP 8 x PP 4,
+    # rank 0: the step's peak, at aten.embedding_dense_backward: 1.96 + 0.125 GiB), when that micro-batch's
+    # blocks have freed what they kept (one micro-batch's block tensors fewer than the in-flight count)
     nd, nm = rp[f"{which}_layers"]
     per_mb = nd * shared["dense_act"] + nm * shared["moe_act"]
+    e = shared["e"]
+    emb_bwd = np.where(rp[f"{which}_has_emb"] & dtensor_embedding_grad_full(table),
+                       e * model.vocab_size * model.dim + e * shared["tokens"] * model.dim - per_mb, 0.0)
+    working_set = np.maximum(working_set, emb_bwd)
     has_head = rp[f"{which}_has_head"]
     per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
     per_mb = per_mb + np.where(rp[f"{which}_has_emb"], shared["emb_act"], 0.0)   # embedding norm, dropout mask
@@ -255,9 +282,12 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # On GPU the caching allocator keeps the segments freed by one phase reserved (sized for the
     # logits, not for a block's tensors), so the reserved peak holds both: there they add up.
     transient = working_set + turn if caching_allocator else np.maximum(working_set, turn)
+    # torch's per-micro-batch receive buffers (`pipeline_extra_bytes` ``recv``): one set per direction of
+    # each stage the rank holds, none for the first stage's input and the last stage's output gradient
+    directions = 2.0 * table.stages_per_rank - rp[f"{which}_has_emb"] - has_head
     acts = ((infl * per_mb + working_set + pipe["deferred_w"]
             + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
-            + pipe["sends"] * coeffs.pipeline_buffer_memory_scale)
+            + (pipe["sends"] + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
     # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
     turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
     logits = np.where(has_head, shared["logits_head"] - shared["logits_turn"], 0.0) + turn_excess
