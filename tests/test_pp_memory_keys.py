@@ -50,24 +50,31 @@ def _mem(table, wl, model=DEBUG):
 
 def test_freed_sends_drop_the_interleaved_send_buffers_exactly():
     """Interleaved1F1B, pp 2, v 2, 8 micro-batches: torch's runtime keeps (2v - 1) x n_microbatches sent
-    residual-width tensors ([microbatch x seq, dim] bf16) to the end of the step on every rank."""
+    residual-width tensors ([microbatch x seq, dim] bf16) to the end of the step on every rank, and its
+    PipelineStage one receive buffer per micro-batch and direction (2 per stage held, less the first stage's
+    input and the last stage's output gradient: 3 per rank here).  ``freed`` (the Llama 3 paper's "we
+    proactively deallocate ... the input and output tensors of each pipeline stage") drops both."""
     t = _table(schedule="Interleaved1F1B", stages_per_rank=2)
     kept, freed = _mem(t, _wl(pp_sent_tensors="kept")), _mem(t, _wl(pp_sent_tensors="freed"))
     sends = (2 * 2 - 1) * 8 * (2.0 * DEBUG.dim * 1 * SEQ)         # 3 x 8 x 64 KiB = 1.5 MiB
+    recv = 3 * 8 * (2.0 * DEBUG.dim * 1 * SEQ)
     for rank in kept:
-        assert kept[rank]["activations"][0] - freed[rank]["activations"][0] == sends, rank
+        assert kept[rank]["activations"][0] - freed[rank]["activations"][0] == sends + recv, rank
         for k in ("params", "grads", "optimizer", "fsdp_buffers", "logits", "overhead"):
             assert kept[rank][k][0] == freed[rank][k][0], (rank, k)
     assert _mem(t, _wl())["first"]["activations"][0] == kept["first"]["activations"][0]      # auto, fsdp2: kept
 
 
 def test_freed_sends_drop_the_1f1b_stage_outputs_exactly():
-    """1F1B, pp 2: each in-flight micro-batch's stage output stays in the forward cache of the first stage
-    (2 in flight on rank 0 of 2); the loss stage sends none (its output is the logits)."""
+    """1F1B, pp 2, 8 micro-batches: each in-flight micro-batch's stage output stays in the forward cache of the
+    first stage (2 in flight on rank 0 of 2); the loss stage sends none (its output is the logits).  Each stage
+    also keeps one receive buffer per micro-batch (the first stage its output gradient's, the last its
+    input's); ``freed`` drops them too."""
     t = _table(schedule="1F1B")
     kept, freed = _mem(t, _wl()), _mem(t, _wl(pp_sent_tensors="freed"))
-    assert kept["first"]["activations"][0] - freed["first"]["activations"][0] == 2 * (2.0 * DEBUG.dim * SEQ)
-    assert kept["last"]["activations"][0] == freed["last"]["activations"][0]
+    resid = 2.0 * DEBUG.dim * SEQ
+    assert kept["first"]["activations"][0] - freed["first"]["activations"][0] == 2 * resid + 8 * resid
+    assert kept["last"]["activations"][0] - freed["last"]["activations"][0] == 8 * resid
 
 
 def test_megatron_kept_sends_cost_what_torch_keeps():
