@@ -310,22 +310,29 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
       counted by `head_activation_bytes`.
     * ``sends``: the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble, DualPipeV run by torch's
       PipelineScheduleMulti / _PipelineScheduleRuntime) keep every P2P send's work -- and with it
-      the sent activation or input gradient -- until the end of the step; a rank sends a forward
-      output from each non-last chunk and an input gradient from each non-first chunk: about
-      (2v - 1) * n_microbatches residual-width tensors live at the end of the step.
+      the sent activation or input gradient -- until the end of the step: n_microbatches
+      residual-width tensors per direction a rank sends over P2P.  The caller multiplies by the
+      rank's send directions: a forward output from each stage but the last, an input gradient from
+      each stage but the first, none across a V schedule's same-rank hand-over (rank pp - 1 holds
+      stages pp - 1 and pp).  Measured with titan-run's profiled peak (pp 2, v 2, 8 and 16
+      micro-batches): 3 per micro-batch on both ranks of Interleaved1F1B, 2 on both of
+      ZBVZeroBubble and DualPipeV.
     * ``deferred_w``: ZBVZeroBubble splits backward into I (input grad) and W (weight grad) and runs
       W late; until then each pending (chunk, micro-batch) keeps the gradients of every matmul's
       output (the dW = g^T x operands).  Their forward tensors are among the pp in-flight
       micro-batches; at the peak of the rank holding the loss stage (pp 2, v 2: 2 micro-batches of
       forward tensors and the output gradients of 1 chunk = 0.5 of the rank's layers) about
       (pp - 1) / v micro-batches' worth of output gradients are pending.
-    * ``recv``: torch's PipelineStage allocates one receive buffer per micro-batch, at the first step,
-      and keeps it: the stage input of every non-first stage (``_prepare_forward_infra``: ``for chunk in
+    * ``recv`` (workload ``pp_recv_buffers: persistent``, TorchTitan): torch's PipelineStage
+      allocates one receive buffer per micro-batch, at the first step, and keeps it: the stage input of every non-first stage (``_prepare_forward_infra``: ``for chunk in
       range(num_microbatches)``) and the output gradient of every non-last stage
       (``_setup_backward_recv_info``: ``for mb_index in range(num_microbatches)``), torch 2.14
       torch/distributed/pipelining/stage.py; n_microbatches residual-width tensors per such stage and
-      direction (executor/dry_run_step.py adds the same as ``pp_recv_buffers``).  The caller multiplies
-      by the rank's directions (2v, less one for holding the first and one for the last stage).
+      direction.  The caller multiplies by the rank's directions (2v, less one for holding the first
+      and one for the last stage; a V hand-over's buffers are allocated too, then replaced).
+      titan-run (``per_microbatch``, executor/parallel/pipeline.py) drops them once the stage has
+      taken the tensor and allocates each when its receive is posted: a received activation then
+      lives as the first block's saved input, a received gradient until its backward has run.
     """
     e = 4.0 if workload.dtype == "fp32" else 2.0
     tp = table.tp.astype(np.float64)
@@ -340,15 +347,15 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     # (deallocate_output_tensor) and waits its sends per micro-batch
     torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors (auto: kept for fsdp2, freed for megatron)
     boundary = np.where(piped & ~multi & torch_pp, v * resid, 0.0)
-    sends = np.where(multi & torch_pp, (2 * v - 1) * table.n_microbatches * resid, 0.0)
+    sends = np.where(multi & torch_pp, table.n_microbatches * resid, 0.0)     # per send direction
     out_width = 0.0 * tp
     for m in layer_matmuls(model, moe):
         mult = model.top_k if m.expert else 1.0
         out_width = out_width + mult * m.n / (tp if m.shard == COL else (1.0 if m.shard == ROW else 1.0))
     zbv = table.is_schedule("ZBVZeroBubble") & piped
     deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model) * e * out_width * tokens, 0.0)
-    # torch's runtime (pp_sent_tensors kept); Megatron's receives into fresh tensors per micro-batch
-    recv = np.where(piped & torch_pp, table.n_microbatches * resid, 0.0)
+    # torch's PipelineStage as TorchTitan runs it; titan-run and Megatron receive per micro-batch
+    recv = np.where(piped & torch_pp & workload.pp_recv_persistent, table.n_microbatches * resid, 0.0)
     return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w, "recv": recv}
 
 

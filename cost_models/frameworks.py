@@ -36,12 +36,14 @@ _MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention"}
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("titan-run", "this executor (the defaults)"),
     Framework("torchtitan", "TorchTitan (FSDP2, DTensor TP, torch.distributed.pipelining)",
-              {"selective_ac": "op", "norm_impl": "composite", "gqa_kv": "expanded"},
+              {"selective_ac": "op", "norm_impl": "composite", "gqa_kv": "expanded",
+               "pp_recv_buffers": "persistent"},
               why="selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
                   "every other matmul output kept); its norms are PyTorch's nn.RMSNorm (eager ops, fused by "
                   "Inductor when compiled); its llama Attention repeats K and V to n_heads (repeat_kv) before "
                   "F.scaled_dot_product_attention, without enable_gqa (torchtitan/models/llama/model.py), so "
-                  "SDPA saves the expanded copies"),
+                  "SDPA saves the expanded copies; its pipeline stages are torch's PipelineStage, which keeps "
+                  "one receive buffer per micro-batch and direction for the stage's life"),
     Framework("composer", "MosaicML Composer / llm-foundry (PyTorch FSDP)",
               {"selective_ac": "op", "loss_impl": "fused"},
               why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy)"),

@@ -285,9 +285,14 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # torch's per-micro-batch receive buffers (`pipeline_extra_bytes` ``recv``): one set per direction of
     # each stage the rank holds, none for the first stage's input and the last stage's output gradient
     directions = 2.0 * table.stages_per_rank - rp[f"{which}_has_emb"] - has_head
+    # the sends (`pipeline_extra_bytes` ``sends``): the same directions, less a V schedule's same-rank
+    # hand-over (stages pp - 1 and pp on rank pp - 1: the forward output and the input gradient stay local)
+    v_shape = table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV")
+    handover = v_shape & (rank_index(table, model, which) == table.pp - 1)
+    send_directions = directions - np.where(handover, 2.0, 0.0)
     acts = ((infl * per_mb + working_set + pipe["deferred_w"]
             + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
-            + (pipe["sends"] + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
+            + (send_directions * pipe["sends"] + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
     # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
     turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
     logits = np.where(has_head, shared["logits_head"] - shared["logits_turn"], 0.0) + turn_excess

@@ -100,6 +100,11 @@ class Workload:
     schedules.py: a sent output's data is freed and sends are waited per micro-batch; the Llama 3 paper,
     arXiv:2407.21783 Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each
     pipeline stage"); ``auto`` is ``kept`` for fsdp2 and ``freed`` for megatron.
+    ``pp_recv_buffers`` is how long a pipeline stage keeps the tensors it receives into: ``persistent``
+    (torch's PipelineStage allocates one buffer per micro-batch and direction at the first step and keeps
+    all of them for the stage's life: TorchTitan) or ``per_microbatch`` (a micro-batch's buffer is
+    allocated when its receive is posted and dropped once the stage has taken it: titan-run, Megatron's
+    fresh tensors per micro-batch); ``auto`` is ``per_microbatch``.
     ``pp_grad_sync`` is when the data-parallel gradient reduction runs under a pipeline (pp > 1):
     ``last_microbatch`` (torch.distributed.pipelining defers FSDP's reduce-scatter to the last micro-batch,
     so the fsdp2 layout accumulates unsharded fp32 gradients and keeps the parameters gathered; Megatron
@@ -190,6 +195,7 @@ class Workload:
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
+    pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
     pp_grad_sync: Literal["last_microbatch", "every_microbatch"] = "last_microbatch"   # pipeline: DP grad sync
     tp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # TP collectives under the block's matmuls
     dp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # DP/FSDP collectives under compute
@@ -244,6 +250,14 @@ class Workload:
         if self.pp_sent_tensors != "auto":
             return self.pp_sent_tensors == "kept"
         return self.state_layout == "fsdp2"
+
+    @property
+    def pp_recv_persistent(self) -> bool:
+        """``pp_recv_buffers`` with ``auto`` resolved: True when the pipeline stage keeps one receive buffer
+        per micro-batch and direction for its whole life (torch's PipelineStage as TorchTitan runs it),
+        False when a micro-batch's buffer lives from its receive to its last use (titan-run, Megatron's
+        fresh tensors per micro-batch): ``auto`` is per_microbatch."""
+        return self.pp_recv_buffers == "persistent"
 
     @property
     def pp_defers_grad_sync(self) -> bool:

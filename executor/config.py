@@ -305,6 +305,8 @@ _OTHER_FRAMEWORKS = (
      "titan-run sends every routed copy in one all-to-all (auto or every_copy"),
     ("pp_sent_tensors", lambda wl: wl.pp_keeps_sent,
      "titan-run's pipelining keeps the tensors a stage has sent (auto or kept"),
+    ("pp_recv_buffers", lambda wl: not wl.pp_recv_persistent,
+     "titan-run's stages receive into a fresh buffer per micro-batch (auto or per_microbatch"),
     ("tp_comm_overlap", lambda wl: wl.tp_comm_overlap != "full",
      "titan-run runs each TP collective on its own, not pipelined with the matmul (auto or none"),
     ("dp_comm_overlap", lambda wl: wl.dp_comm_overlap != "none",

@@ -27,9 +27,9 @@ What is modelled, by layout:
   and W as the rest of the backward, which releases the graph.  So exactly as many micro-batches' activations are
   alive at each moment as the torch schedule keeps on this rank.  FSDP runs
   as under the schedule: no gradient sync or reshard-after-backward until
-  REDUCE_GRAD, and the V schedules' reshard_after_forward=False.  The
-  stage's receive buffers (torch allocates one per micro-batch and direction
-  at the first step and keeps them) are added as ``pp_recv_buffers``.  Not
+  REDUCE_GRAD, and the V schedules' reshard_after_forward=False.  Each
+  received tensor is allocated per micro-batch and dropped after its use, as
+  titan-run's stages receive (executor/parallel/pipeline.py).  Not
   modelled: the time order across ranks (a rank never waits with extra
   activations alive beyond its own schedule).
 * ``cp > 1``: the ring attention (``parallel/ring_attention.py``) sees
@@ -308,13 +308,6 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
         snap = tracker.get_tracker_snapshot("peak")
     dev = next(iter(snap))
     est = {(k.name if hasattr(k, "name") else str(k)).lower(): float(v) for k, v in snap[dev].items()}
-    if plan.pp > 1:
-        # torch's PipelineStage keeps one receive buffer per micro-batch for the stage input (non-first
-        # stages) and for the output gradient (non-last stages), allocated at the first step and kept
-        n_buffers = sum((s > 0) + (s < plan.n_stages - 1) for s, _ in stages) * plan.n_microbatches
-        item = torch.empty((), dtype=precision.param_dtype).element_size()
-        est["pp_recv_buffers"] = float(n_buffers * item * math.prod(hidden_shape))
-        est["total"] += est["pp_recv_buffers"]
     per_rank_stages = len(stages)
     modelled: dict[str, Any] = {
         "micro_batches": plan.n_microbatches, "microbatch": plan.microbatch, "local_seq": seq_local,
@@ -322,8 +315,8 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
     }
     if plan.pp > 1:
         modelled["how"] = (f"torch {plan.schedule} order of pp rank {pp_rank} replayed locally "
-                           f"(stages {[s for s, _ in stages]}); torch's persistent p2p receive buffers added "
-                           "as pp_recv_buffers")
+                           f"(stages {[s for s, _ in stages]}); each received tensor allocated per micro-batch, "
+                           "as titan-run's stages receive")
         modelled["in_flight_cost_model"] = _in_flight_cost_model(plan, pp_rank)
     else:
         modelled["how"] = "gradient accumulation: forward+backward per micro-batch"

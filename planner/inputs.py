@@ -31,7 +31,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "swiglu_impl", "gqa_kv", "grad_dtype", "loss_impl",
-                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_grad_sync",
+                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_recv_buffers", "pp_grad_sync",
                   "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "float8_cache")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
@@ -84,6 +84,10 @@ WORKLOAD_HELP = {
                        "fsdp2, freed for megatron), kept (torch.distributed.pipelining, titan-run: stage outputs "
                        "cached, multi-stage schedules hold sends to the step's end) or freed (Megatron's "
                        "deallocate_pipeline_outputs, the Llama 3 paper)",
+    "pp_recv_buffers": "how long a pipeline stage keeps the tensors it receives into: auto (default: "
+                       "per_microbatch), per_microbatch (titan-run, Megatron: a micro-batch's buffer from its "
+                       "receive to its use) or persistent (torch's PipelineStage as TorchTitan runs it: one "
+                       "buffer per micro-batch and direction, kept for the stage's life)",
     "pp_grad_sync": "when FSDP reduce-scatters gradients under a pipeline: last_microbatch (default: torch's "
                     "pipelining, unsharded fp32 gradients accumulated) or every_microbatch (each micro-batch into "
                     "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only; titan-run runs both, every_microbatch "
