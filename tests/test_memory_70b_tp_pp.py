@@ -2,8 +2,8 @@
 
 torch.distributed.pipelining allocates one receive buffer per micro-batch for the input of every
 non-first stage and the output gradient of every non-last stage, at the first step, and keeps them
-(the 0.5 GiB per direction that the FakeTensor dry run of llama3-70b TP 8 x PP 4, 32 micro-batches,
-adds on each pipeline rank).  Here real PipelineStage objects (single-process gloo group, meta
+(0.5 GiB per direction on each rank of llama3-70b TP 8 x PP 4 with 32 micro-batches): the workload's
+``pp_recv_buffers: persistent`` (TorchTitan); titan-run receives per micro-batch and holds none of them.  Here real PipelineStage objects (single-process gloo group, meta
 device: the buffers' shapes and dtypes, no memory) are built for the same stage shapes as the
 modelled plan, and the bytes their buffers grow by from 4 to 8 micro-batches are compared with what
 `memory_by_rank` adds to the first and the last pipeline rank over the same change.
@@ -73,9 +73,12 @@ def test_receive_buffers_match_torch_pipeline_stage(world):
     torch4, torch8 = _torch_recv_bytes(world, dim, 4), _torch_recv_bytes(world, dim, 8)
     # torch: one set per direction; the first stage receives gradients only, the last inputs only
     assert torch8[1] - torch4[1] == 2 * (torch8[0] - torch4[0]) > 0
-    m4, m8 = _model_acts(4), _model_acts(8)
+    m4, m8 = _model_acts(4, pp_recv_buffers="persistent"), _model_acts(8, pp_recv_buffers="persistent")
     assert m8["first"] - m4["first"] == pytest.approx(torch8[0] - torch4[0], rel=1e-9)
     assert m8["last"] - m4["last"] == pytest.approx(torch8[PP - 1] - torch4[PP - 1], rel=1e-9)
+    # titan-run's stages (auto: per micro-batch) hold none of them between uses
+    a4, a8 = _model_acts(4), _model_acts(8)
+    assert a8["first"] == pytest.approx(a4["first"]) and a8["last"] == pytest.approx(a4["last"])
 
 
 def test_no_receive_buffers_when_the_runtime_frees_them():

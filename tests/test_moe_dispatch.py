@@ -132,6 +132,8 @@ PP_FSDP2 = {"flags": ("--state-layout", "fsdp2", "--pp", "2", "--ep", "8", "--sc
     ("moe_weighting", "combine", "auto", ("memory_gib", "activations"), False, "probs", "activation", {}),
     ("ep_dispatch", "per_node", "auto", ("time_s", "ep_comm"), True, "deepep", "per_node", {}),
     ("pp_sent_tensors", "freed", "auto", ("memory_gib", "activations"), True, "free", "freed", PP_FSDP2),
+    ("pp_recv_buffers", "persistent", "auto", ("memory_gib", "activations"), False, "keep", "persistent",
+     PP_FSDP2),
     ("pp_grad_sync", "every_microbatch", "last_microbatch", ("memory_gib", "grads"), True, "every",
      "every_microbatch", PP_FSDP2),
 ])

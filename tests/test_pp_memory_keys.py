@@ -17,6 +17,7 @@ from cost_models.comm import axis_links, ring_gather_time
 from cost_models.compute import Rates
 from cost_models.data_parallel import data_parallel
 from cost_models.flops import param_counts
+from cost_models.frameworks import get_framework
 from cost_models.layout import layers_per_rank, rank_params
 from cost_models.memory import memory_by_rank
 from cost_models.specs import SpecError, load_hardware, load_model
@@ -51,15 +52,19 @@ def _mem(table, wl, model=DEBUG):
 def test_freed_sends_drop_the_interleaved_send_buffers_exactly():
     """Interleaved1F1B, pp 2, v 2, 8 micro-batches: torch's runtime keeps (2v - 1) x n_microbatches sent
     residual-width tensors ([microbatch x seq, dim] bf16) to the end of the step on every rank, and its
-    PipelineStage one receive buffer per micro-batch and direction (2 per stage held, less the first stage's
-    input and the last stage's output gradient: 3 per rank here).  ``freed`` (the Llama 3 paper's "we
+    PipelineStage as TorchTitan runs it (``pp_recv_buffers: persistent``) one receive buffer per
+    micro-batch and direction (2 per stage held, less the first stage's input and the last stage's output
+    gradient: 3 per rank here; titan-run receives per micro-batch).  ``freed`` (the Llama 3 paper's "we
     proactively deallocate ... the input and output tensors of each pipeline stage") drops both."""
     t = _table(schedule="Interleaved1F1B", stages_per_rank=2)
     kept, freed = _mem(t, _wl(pp_sent_tensors="kept")), _mem(t, _wl(pp_sent_tensors="freed"))
+    persistent = _mem(t, _wl(pp_sent_tensors="kept", pp_recv_buffers="persistent"))
+    freed_p = _mem(t, _wl(pp_sent_tensors="freed", pp_recv_buffers="persistent"))
     sends = (2 * 2 - 1) * 8 * (2.0 * DEBUG.dim * 1 * SEQ)         # 3 x 8 x 64 KiB = 1.5 MiB
     recv = 3 * 8 * (2.0 * DEBUG.dim * 1 * SEQ)
     for rank in kept:
-        assert kept[rank]["activations"][0] - freed[rank]["activations"][0] == sends + recv, rank
+        assert kept[rank]["activations"][0] - freed[rank]["activations"][0] == sends, rank
+        assert persistent[rank]["activations"][0] - freed_p[rank]["activations"][0] == sends + recv, rank
         for k in ("params", "grads", "optimizer", "fsdp_buffers", "logits", "overhead"):
             assert kept[rank][k][0] == freed[rank][k][0], (rank, k)
     assert _mem(t, _wl())["first"]["activations"][0] == kept["first"]["activations"][0]      # auto, fsdp2: kept
@@ -67,14 +72,18 @@ def test_freed_sends_drop_the_interleaved_send_buffers_exactly():
 
 def test_freed_sends_drop_the_1f1b_stage_outputs_exactly():
     """1F1B, pp 2, 8 micro-batches: each in-flight micro-batch's stage output stays in the forward cache of the
-    first stage (2 in flight on rank 0 of 2); the loss stage sends none (its output is the logits).  Each stage
-    also keeps one receive buffer per micro-batch (the first stage its output gradient's, the last its
-    input's); ``freed`` drops them too."""
+    first stage (2 in flight on rank 0 of 2); the loss stage sends none (its output is the logits).  With
+    torch's persistent receive buffers each stage also keeps one per micro-batch (the first stage its output
+    gradient's, the last its input's); ``freed`` drops them too."""
     t = _table(schedule="1F1B")
     kept, freed = _mem(t, _wl()), _mem(t, _wl(pp_sent_tensors="freed"))
     resid = 2.0 * DEBUG.dim * SEQ
-    assert kept["first"]["activations"][0] - freed["first"]["activations"][0] == 2 * resid + 8 * resid
-    assert kept["last"]["activations"][0] - freed["last"]["activations"][0] == 8 * resid
+    assert kept["first"]["activations"][0] - freed["first"]["activations"][0] == 2 * resid
+    assert kept["last"]["activations"][0] == freed["last"]["activations"][0]
+    kept_p = _mem(t, _wl(pp_recv_buffers="persistent"))
+    freed_p = _mem(t, _wl(pp_sent_tensors="freed", pp_recv_buffers="persistent"))
+    assert kept_p["first"]["activations"][0] - freed_p["first"]["activations"][0] == 2 * resid + 8 * resid
+    assert kept_p["last"]["activations"][0] - freed_p["last"]["activations"][0] == 8 * resid
 
 
 def test_megatron_kept_sends_cost_what_torch_keeps():
@@ -132,6 +141,9 @@ def test_auto_resolution_and_one_line_errors():
     assert _wl().pp_sent_tensors == "auto" and _wl().pp_keeps_sent
     assert not _wl("megatron").pp_keeps_sent
     assert _wl("megatron", pp_sent_tensors="kept").pp_keeps_sent and not _wl(pp_sent_tensors="freed").pp_keeps_sent
+    assert _wl().pp_recv_buffers == "auto" and not _wl().pp_recv_persistent and not _wl("megatron").pp_recv_persistent
+    assert _wl(pp_recv_buffers="persistent").pp_recv_persistent
+    assert get_framework("torchtitan").workload["pp_recv_buffers"] == "persistent"
     assert _wl().pp_grad_sync == "last_microbatch" and _wl().pp_defers_grad_sync
     assert not _wl(pp_grad_sync="every_microbatch").pp_defers_grad_sync
     with pytest.raises(SpecError, match="pp_sent_tensors.*auto, kept, freed; got 'dropped'"):
@@ -144,6 +156,7 @@ def test_auto_resolution_and_one_line_errors():
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
     assert_titan_run_refuses(tmp_path, "pp_sent_tensors", "freed", ["auto", "kept"])
+    assert_titan_run_refuses(tmp_path, "pp_recv_buffers", "persistent", ["auto", "per_microbatch"])
     # titan-run runs every_microbatch on GPipe / 1F1B / Interleaved1F1B (tests/distributed/test_pp_grad_sync.py);
     # the V schedules compute weight gradients after the micro-batch's reduce-scatter would run
     v_plan = {"pp": 2, "schedule": "ZBVZeroBubble", "stages_per_rank": 2, "n_microbatches": 2, "microbatch": 2}
