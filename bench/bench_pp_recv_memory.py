@@ -15,7 +15,7 @@ Measured 2026-12-03 (profile step 1, 8 and 16 micro-batches; the same slopes at 
 micro-batch 1F1B 0 / 0, Interleaved1F1B 3 / 3, ZBVZeroBubble and DualPipeV 2 / 2 (rank 0 / rank 1),
 equal to the model's on every row; before titan-run dropped its receive buffers (torch's persistent
 ones), the same runs with the buffers inside the profiled step grew 1 / 1, 6 / 6, 4 / 6 and 4 / 6, and
-the Interleaved1F1B peak at 16 micro-batches was 61.5 / 52.4 MiB against 51.5 / 41.6 MiB now.
+the Interleaved1F1B peak at 16 micro-batches was 61.5 / 52.4 MiB against 50.2 / 41.4 MiB now.
 """
 from __future__ import annotations
 

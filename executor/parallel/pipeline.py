@@ -356,7 +356,7 @@ class _PerMicrobatchRecv:
     micro-batch's full backward its loss is detached, so the spent graph (and the stage input its
     AccumulateGrad node holds) does not wait for the step's end.  Measured with titan-run's profiled
     peak, pp 2 (bench/bench_pp_recv_memory.py): Interleaved1F1B at 16 micro-batches 61.5 / 52.4 MiB
-    -> 51.5 / 41.6 MiB on ranks 0 / 1; the peak grows 3 residual tensors a micro-batch, was 6.
+    -> 50.2 / 41.4 MiB on ranks 0 / 1 (profiled step 1); the peak grows 3 residual tensors a micro-batch, was 6.
     """
 
     def _prepare_forward_infra(self, *args, **kwargs):
