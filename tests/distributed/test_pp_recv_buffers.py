@@ -30,6 +30,7 @@ def _model_acts(n_mb: int, **keys) -> list[float]:
     return [float(mem[w]["activations"][0]) for w in ("first", "last")]
 
 
+@pytest.mark.slow          # two titan-run launches (~1 min); the suite is at its 30-minute budget
 def test_peak_growth_per_microbatch_is_the_modelled_sends_only():
     peaks = {}
     for n_mb in (4, 8):
