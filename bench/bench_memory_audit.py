@@ -112,12 +112,13 @@ def audit(name, model_name, hw_name, workload, plan_kw, step: bool) -> list[dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--step", action="store_true", help="also the FakeTensor step peak of the layouts marked cheap")
-    ap.add_argument("--only", help="run the layouts whose name contains this")
+    ap.add_argument("--only", help="run the layouts whose name contains this (case-insensitive)")
     args = ap.parse_args()
+    chosen = [x for x in LAYOUTS if not args.only or args.only.lower() in x[0].lower()]
+    if not chosen:
+        ap.error(f"--only {args.only!r} matches no layout (names: {', '.join(x[0] for x in LAYOUTS)})")
     rows = []
-    for name, m, h, wl, plan, cheap in LAYOUTS:
-        if args.only and args.only not in name:
-            continue
+    for name, m, h, wl, plan, cheap in chosen:
         rows += audit(name, m, h, wl, plan, step=args.step and cheap)
     print(f"{'layout':40s} {'rank':14s} " + " ".join(f"{k + ' ana/dry GiB':>24s}" for k, _ in STATE)
           + f" {'peak ana/FakeTensor':>22s}")
