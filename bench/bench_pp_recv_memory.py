@@ -35,6 +35,7 @@ from search_spaces.table import CandidateTable  # noqa: E402
 from tests.distributed.harness import run_titan  # noqa: E402
 
 SEQ = 256
+RESID = 4.0 * 256 * SEQ            # fp32 [seq, dim] of llama3-debug (dim 256), micro-batch 1
 SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 
 
@@ -49,10 +50,11 @@ def measured(schedule: str, v: int, n_mb: int, profile_step: int) -> list[float]
     return [float(p) for p in run.metrics[profile_step - 1]["peak_memory_bytes"]]
 
 
-def modelled(schedule: str, v: int, n_mb: int) -> list[float]:
-    """The cost model's activation bytes of pipeline ranks 0 and 1 (first, last) for the same run."""
+def modelled(schedule: str, v: int, n_mb: int, **keys) -> list[float]:
+    """The cost model's activation bytes of pipeline ranks 0 and 1 (first, last) for the same run
+    (further workload `keys`, e.g. ``pp_recv_buffers="persistent"``)."""
     table = CandidateTable.from_plans([_plan(schedule, v, n_mb)])
-    wl = Workload(seq_len=SEQ, global_batch=n_mb, dtype="fp32")
+    wl = Workload(seq_len=SEQ, global_batch=n_mb, dtype="fp32", **keys)
     per_rank = memory_by_rank(table, load_model("llama3-debug"), wl, Coefficients(), caching_allocator=False)
     return [float(per_rank["first"]["activations"][0]), float(per_rank["last"]["activations"][0])]
 
@@ -63,15 +65,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-step", type=int, default=2, help="the profiled step (default 2)")
     a = ap.parse_args(argv)
     lo, hi = (int(x) for x in a.n_mb.split(","))
-    resid = 4.0 * 256 * SEQ            # fp32 [seq, dim] of llama3-debug (dim 256), micro-batch 1
     worst = 0.0
     print(f"{'schedule':16s} {'rank':>4s} {'peak lo':>9s} {'peak hi':>9s} {'measured/mb':>12s} {'model/mb':>9s}")
     for schedule, v in SCHEDULES:
         m_lo, m_hi = measured(schedule, v, lo, a.profile_step), measured(schedule, v, hi, a.profile_step)
         c_lo, c_hi = modelled(schedule, v, lo), modelled(schedule, v, hi)
         for r in range(2):
-            got = (m_hi[r] - m_lo[r]) / (hi - lo) / resid
-            want = (c_hi[r] - c_lo[r]) / (hi - lo) / resid
+            got = (m_hi[r] - m_lo[r]) / (hi - lo) / RESID
+            want = (c_hi[r] - c_lo[r]) / (hi - lo) / RESID
             worst = max(worst, abs(got - want))
             print(f"{schedule:16s} {r:4d} {m_lo[r] / 2**20:8.2f}M {m_hi[r] / 2**20:8.2f}M {got:12.2f} {want:9.2f}",
                   flush=True)

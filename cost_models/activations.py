@@ -324,8 +324,9 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
       forward tensors and the output gradients of 1 chunk = 0.5 of the rank's layers) about
       (pp - 1) / v micro-batches' worth of output gradients are pending.
     * ``recv`` (workload ``pp_recv_buffers: persistent``, TorchTitan): torch's PipelineStage
-      allocates one receive buffer per micro-batch, at the first step, and keeps it: the stage input of every non-first stage (``_prepare_forward_infra``: ``for chunk in
-      range(num_microbatches)``) and the output gradient of every non-last stage
+      allocates one receive buffer per micro-batch, at the first step, and keeps it: the stage input
+      of every non-first stage (``_prepare_forward_infra``: ``for chunk in range(num_microbatches)``)
+      and the output gradient of every non-last stage
       (``_setup_backward_recv_info``: ``for mb_index in range(num_microbatches)``), torch 2.14
       torch/distributed/pipelining/stage.py; n_microbatches residual-width tensors per such stage and
       direction.  The caller multiplies by the rank's directions (2v, less one for holding the first

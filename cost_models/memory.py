@@ -259,7 +259,8 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
                       fsdp, fsdp_at_turn) -> tuple[np.ndarray, np.ndarray]:
     """(activations, logits) of rank `which`: its in-flight micro-batches' blocks, the pipeline
     buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
-    infl = in_flight_on_rank(table, rank_index(table, model, which))
+    rank = rank_index(table, model, which)
+    infl = in_flight_on_rank(table, rank)
     pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
     # the embedding's backward on the rank holding it: under dtensor TP its replicated weight gradient
     # (e x vocab x dim, `dtensor_embedding_grad_full`) and the all-gathered output gradient it is computed
@@ -288,7 +289,7 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # the sends (`pipeline_extra_bytes` ``sends``): the same directions, less a V schedule's same-rank
     # hand-over (stages pp - 1 and pp on rank pp - 1: the forward output and the input gradient stay local)
     v_shape = table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV")
-    handover = v_shape & (rank_index(table, model, which) == table.pp - 1)
+    handover = v_shape & (rank == table.pp - 1)
     send_directions = directions - np.where(handover, 2.0, 0.0)
     acts = ((infl * per_mb + working_set + pipe["deferred_w"]
             + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale

@@ -9,7 +9,6 @@ allowed.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from search_spaces.typed import InputError, from_mapping, show
+from search_spaces.typed import InputError, did_you_mean, from_mapping, show
 from search_spaces.yaml_file import read_yaml
 
 from . import hf_config
@@ -368,7 +367,7 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
         path = PRESET_DIR / kind / f"{s}.yaml"
         if not _is_file(path):
             known = preset_names(kind)
-            hint = _did_you_mean(s, known)
+            hint = did_you_mean(s, known, prefixes=True)
             raise SpecError(f"unknown {what} {show(s)}{hint}; "
                             f"known: {', '.join(known)}; or give the path of a YAML file")
     data = read_yaml(path, error=SpecError, what=f"{kind} file")
@@ -377,18 +376,6 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
     data = dict(data)
     data.setdefault("name", path.stem)
     return _build(cls, data, str(path))
-
-
-def _did_you_mean(name: str, known: list[str]) -> str:
-    """The hint for an unknown preset name: the presets it begins (`h100` -> the H100 variants),
-    closest first, else the one closest spelling; empty when nothing is near."""
-    low = name.lower()
-    starts = [k for k in known if k.lower().startswith(low) and k.lower() != low]
-    if starts:
-        starts.sort(key=lambda k: -difflib.SequenceMatcher(None, low, k.lower()).ratio())
-        return " (did you mean " + " or ".join(f"'{k}'" for k in starts[:3]) + "?)"
-    close = difflib.get_close_matches(name, known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _is_file(path: Path) -> bool:

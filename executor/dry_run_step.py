@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 from typing import Any
 
 import torch

@@ -60,8 +60,15 @@ def show(v: Any) -> str:
     return r if len(r) <= MAX_SHOWN else r[: MAX_SHOWN - 3] + "..."
 
 
-def did_you_mean(word: Any, allowed: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), [str(a) for a in allowed], n=1)
+def did_you_mean(word: Any, allowed: typing.Iterable[str], *, prefixes: bool = False) -> str:
+    """The hint of a one-line error: the closest spelling in `allowed`, or nothing.  With `prefixes`, the
+    names `word` begins come first (`h100` -> the H100 presets), up to three, closest first."""
+    allowed, low = [str(a) for a in allowed], str(word).lower()
+    starts = [a for a in allowed if a.lower().startswith(low) and a.lower() != low] if prefixes else []
+    if starts:
+        starts.sort(key=lambda a: -difflib.SequenceMatcher(None, low, a.lower()).ratio())
+        return " (did you mean " + " or ".join(f"'{a}'" for a in starts[:3]) + "?)"
+    close = difflib.get_close_matches(str(word), allowed, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
