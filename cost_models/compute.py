@@ -124,18 +124,14 @@ def launch_bound(gpu, host, sharpness: float):
     return top * ((gpu / top) ** sharpness + (host / top) ** sharpness) ** (1.0 / sharpness)
 
 
-def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
-                only: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes);
-    with `only`, of the matmuls whose name it accepts."""
+def matmul_times(table, model, workload, coeffs, r: Rates, moe: bool) -> list[tuple]:
+    """(matmul, forward time of this rank's shard of it) for each weight matmul of a block, in forward
+    order (`flops.layer_matmuls`); a routed expert's entry covers the rank's local experts."""
     tp = table.tp.astype(np.float64)
     tokens = table.microbatch * workload.seq_len / table.cp
     f8 = table.float8
-    fwd = np.zeros(len(table))
-    recomputed = np.zeros(len(table))
-    for i, m in enumerate(layer_matmuls(model, moe)):
-        if only is not None and not only(m.name):
-            continue
+    out = []
+    for m in layer_matmuls(model, moe):
         k = np.floor(m.k / tp) if m.shard == ROW else m.k + 0 * tp     # this rank's shard
         n = np.floor(m.n / tp) if m.shard == COL else m.n + 0 * tp
         low = f8 & (m.name != "router")
@@ -147,6 +143,19 @@ def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
             t = expert_gemm_time(rows, k, n, rate, r, in_b, local, per_expert_gemms(workload))
         else:
             t = gemm_time(tokens, k, n, rate, r.mem, in_b, r.elt, r.sms)
+        out.append((m, t))
+    return out
+
+
+def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
+                only: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes);
+    with `only`, of the matmuls whose name it accepts."""
+    fwd = np.zeros(len(table))
+    recomputed = np.zeros(len(table))
+    for i, (m, t) in enumerate(matmul_times(table, model, workload, coeffs, r, moe)):
+        if only is not None and not only(m.name):
+            continue
         fwd += t
         if i % 2:
             recomputed += t

@@ -19,9 +19,9 @@ import numpy as np
 
 from .comm import all_reduce_time, all_to_all_time, axis_links, link_params, p2p_time, ring_gather_time
 from .compute import (Rates, elementwise_bytes, expert_kernels, float8_cast_bytes, gemm_time, head_kernels,
-                      kernels_per_block, launch_bound, layer_gemms)
+                      kernels_per_block, launch_bound, layer_gemms, matmul_times)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
-from .flops import attention_dims, layer_matmuls
+from .flops import ROW, attention_dims, layer_matmuls
 from .layout import layer_mix
 from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
 
@@ -69,26 +69,81 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     return out
 
 
+# A block's four TP collectives under sequence parallelism (Korthikanti Sec. 4.2.2), each on the side of
+# the matmuls that read its all-gathered input or produce its reduce-scattered output:
+# attention all-gather (QKV), attention reduce-scatter (out-projection), FFN all-gather, FFN reduce-scatter.
+TP_SIDES = ("attn_ag", "attn_rs", "ffn_ag", "ffn_rs")
+
+
+def tp_side(m, dim: int) -> int | None:
+    """Index in `TP_SIDES` of the collective a block matmul `m` can hide under, None for one that neither
+    reads the gathered residual nor writes the reduced one (MLA's up projections read their latents)."""
+    if m.shard == ROW:
+        return 1 if m.group == "attn" else 3
+    if m.k == dim:
+        return 0 if m.group == "attn" else 2
+    return None
+
+
 def _tp_collectives(table, model, workload, tp_link, r: Rates, tokens, tp) -> tuple:
     """(time of one TP collective of a block's activations, collectives recomputed in backward,
-    collective launches per direction).
+    collective launches per direction, and per side of `TP_SIDES` the collectives forward, backward
+    and recomputed, in units of that time).
 
     TP with SP (Korthikanti Sec. 4.2.2): per block 2 all-gathers + 2 reduce-scatters forward and
-    the same backward; without SP 2 all-reduces each way (same volume).  Full AC repeats the
-    forward's 4; the 'op' policy re-gathers the inputs of recomputed matmuls (2); the 'matmul'
-    policy keeps the collectives' outputs.
+    the same backward (an all-gather's backward is a reduce-scatter: one per side each way); without SP
+    2 all-reduces each way (same volume: an all-reduce is two of the units), after the row-parallel
+    matmuls forward and the column-parallel ones backward.  Full AC repeats the forward's 4; the 'op'
+    policy re-gathers the inputs of recomputed matmuls (2); the 'matmul' policy keeps the collectives'
+    outputs.
     """
+    n = len(table)
     sel = table.is_ac("selective")
+    full = table.is_ac("full")
     op_sac = sel & (workload.selective_ac == "op")
     tp_one = ring_gather_time(tp, tokens * model.dim * r.elt, tp_link.bw, tp_link.alpha)
     # sequence-sharded saves (tp_activations) re-gather the QKV and FFN inputs in backward (2), as
     # the 'op' policy's recomputed matmuls do; a recomputed dense MLP repeats its all-gather and
     # reduce-scatter (2 more)
-    regather = np.where(op_sac | (not workload.tp_keeps_gathered), 2.0, 0.0)
-    mlp_rec = 2.0 if (workload.recomputes("mlp") and not model.is_moe) else 0.0
-    tp_rec = np.where(table.is_ac("full"), 4.0, regather + np.where(sel, mlp_rec, 0.0))
+    regather = np.where(op_sac | (not workload.tp_keeps_gathered), 1.0, 0.0)      # per all-gather side
+    mlp_rec = np.where(sel & (workload.recomputes("mlp") and not model.is_moe), 1.0, 0.0)   # per FFN side
+    z = np.zeros(n)
+    if workload.sequence_parallel:
+        fwd, bwd = (1.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0)
+        rec = [np.where(full, 1.0, regather), np.where(full, 1.0, z),
+               np.where(full, 1.0, regather + mlp_rec), np.where(full, 1.0, mlp_rec)]
+    else:
+        fwd, bwd = (0.0, 2.0, 0.0, 2.0), (2.0, 0.0, 2.0, 0.0)
+        rec = [np.where(full, 0.0, regather), np.where(full, 2.0, z),
+               np.where(full, 0.0, regather), np.where(full, 2.0, 2.0 * mlp_rec)]
+    tp_rec = sum(rec)
     n_coll = np.where(tp > 1, 4.0 if workload.sequence_parallel else 2.0, 0.0)   # launches per direction
-    return tp_one, tp_rec, n_coll
+    return tp_one, tp_rec, n_coll, (fwd, bwd, rec)
+
+
+def _tp_exposed(mm, model, coeffs, tp, tp_one, sides) -> tuple[np.ndarray, np.ndarray]:
+    """Exposed TP collective time of one block per micro-batch, forward and backward.
+
+    Without overlap every collective is on the critical path.  Async TP (TorchTitan's micro-pipelined
+    all-gather / reduce-scatter matmuls) and Megatron's TP overlap (Transformer Engine userbuffers)
+    decompose each collective into `tp` chunks and run it under the matmul that consumes or produces its
+    tensor (Wang et al. 2022, ASPLOS, "Overlap communication with dependent computation via
+    decomposition"): chunk k's matmul runs while chunk k+1 moves, so of a collective of time c next to
+    matmuls of time g the ring's tp-1 transfers hide under (tp-1)/tp of g and the exposed time is
+    max(0, c - tp_overlap * g * (tp-1)/tp).  Each collective hides only under its own matmuls (`TP_SIDES`:
+    a GQA model's all-gather before the small QKV projection stays partly exposed however large its
+    MLP); backward its collectives meet the input- and weight-gradient GEMMs (2 g); the collectives a
+    recomputation repeats are counted with the backward's, under the same GEMMs."""
+    fwd, bwd, rec = sides
+    g = [np.zeros_like(tp_one) for _ in TP_SIDES]
+    for m, t in mm:
+        side = tp_side(m, model.dim)
+        if side is not None:
+            g[side] = g[side] + t
+    hide = coeffs.tp_overlap * (tp - 1.0) / np.maximum(tp, 1.0)
+    tpf = sum(np.maximum(0.0, fwd[i] * tp_one - hide * g[i]) for i in range(len(TP_SIDES)))
+    tpb = sum(np.maximum(0.0, (bwd[i] + rec[i]) * tp_one - hide * 2 * g[i]) for i in range(len(TP_SIDES)))
+    return tpf, tpb
 
 
 def _cp_ring_times(model, coeffs, cp_link, r: Rates, tokens, tp, cp, a_fwd, a_bwd) -> tuple[np.ndarray, np.ndarray]:
@@ -108,14 +163,16 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     """One dense or MoE block per micro-batch: F, B (input gradients), W (weight gradients), the exposed
     TP collectives each way (tpf, tpb) and the GPU time of F and B (gpu_f, gpu_b)."""
     a_fwd, a_bwd = attn
-    tp_one, tp_rec, n_coll = tp_coll
+    tp_one, tp_rec, n_coll, sides = tp_coll
     sp = tp if workload.sequence_parallel else np.ones(len(table))
     ac_full, ac_sel = table.is_ac("full"), table.is_ac("selective")
     op_sac = ac_sel & (workload.selective_ac == "op")
     mm_sac = ac_sel & (workload.selective_ac == "matmul")
     att_sac = ac_sel & (workload.selective_ac == "attention")
     compiled = table.compile
-    g_f, g_rec = layer_gemms(table, model, workload, coeffs, r, moe)
+    mm = matmul_times(table, model, workload, coeffs, r, moe)
+    g_f = sum(t for _, t in mm)
+    g_rec = sum(t for i, (_, t) in enumerate(mm) if i % 2)          # the 'op' policy's recomputed matmuls
     e_seq, e_shard = np.array([elementwise_bytes(model, workload, moe, c) for c in (False, True)]).T
     el_f = tokens * (e_seq[compiled.astype(int)] / sp + e_shard[compiled.astype(int)] / tp) / r.mem
     el_f = el_f + np.where(table.float8, tokens * float8_cast_bytes(model, moe, compiled, r.elt) / tp / r.mem, 0.0)
@@ -134,11 +191,7 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     gpu_f = g_f + a_fwd + el_f + kern * lat
     gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
     g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
-    # Async TP / Megatron's TP overlap decompose the collectives and run them under the block's
-    # matmuls (Wang et al. 2022, ASPLOS, "Overlap communication with dependent computation via
-    # decomposition"): exposed = max(0, comm - tp_overlap * matmul time), per block and direction.
-    tpf = np.maximum(0.0, 4 * tp_one - coeffs.tp_overlap * g_f)
-    tpb = np.maximum(0.0, (4 + tp_rec) * tp_one - coeffs.tp_overlap * 2 * g_f)
+    tpf, tpb = _tp_exposed(mm, model, coeffs, tp, tp_one, sides)
     # host side: every kernel and every collective is launched by the CPU; the TP collectives
     # sit on the compute stream (no overlap), so they count on the GPU side as well
     host_f = (kern + n_coll) * r.launch
