@@ -22,9 +22,9 @@ Mapping rules (stated once, applied to every row):
   at its default for every row, so each row is a `titan-plan estimate` command line): TP-communication
   overlap (Megatron-LM README "TP overlap flags on"; Megatron-Bridge performance recipes) ->
   tp_comm_overlap = full, i.e. TP collectives hide under the block's matmuls; everything else
-  none (plain TP).  TorchTitan's async-TP rows are expressed with tp_comm_overlap none; their
-  throughput is shown but not scored (async TP hides part of the TP traffic: full overlap of each
-  collective under its own matmuls still overpredicts them by a median 12%), their memory is scored.
+  none (plain TP); TorchTitan's async-TP rows -> tp_comm_overlap = async (what torch's
+  micro_pipeline_tp pass fuses: each all-gather with the matmuls it feeds, a reduce-scatter with the one
+  matmul that produces it; cost_models/step_time.py _tp_exposed).
 * Korthikanti rows: GPT with dropout and materialized (non-flash) attention, as in the paper.
   Other Megatron rows use fused attention and no dropout (their recipes' default).
 * unstated micro-batch -> 1; pp>1 without vpp -> 1F1B; unstated recompute ("not stated", "per
@@ -187,13 +187,6 @@ MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if get_framework(v).workload
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
                      if get_framework(FRAMEWORK_OF[k]).workload.get("attention_impl") == "materialized")
-
-
-ASYNC_TP_WHY = ("TorchTitan async TP hides only part of the TP collectives (measured +6-16% over vanilla TP); with "
-                "tp_comm_overlap full (each collective under its own matmuls' (tp-1)/tp, cost_models/step_time.py "
-                "_tp_exposed) the model still overpredicts these 12 rows by 1-23%, median 12% (3-30%, median 15%, before the "
-                "per-collective pairing), so what async TP leaves exposed is not modelled; the row's memory is scored "
-                "(tp_overlap 0)")
 
 
 def reference_dir() -> Path:
@@ -388,6 +381,8 @@ def build_case(row) -> Case:
             kw[key] = str(par[key])
     if source == "megatron":
         kw["tp_comm_overlap"] = "full"   # the Megatron-LM README's weak-scaling table: "TP overlap flags on"
+    if async_tp:
+        kw["tp_comm_overlap"] = "async"   # TorchTitan's async TP: torch's micro_pipeline_tp fusions
     if recipe.get("overlap_grad_reduce") is False:
         kw["dp_comm_overlap"] = "none"   # the recipe turns Megatron's overlapped gradient reduction off
     workload = Workload(seq_len=seq, global_batch=gb, **kw)
@@ -432,8 +427,6 @@ def build_case(row) -> Case:
         measured["params_opt_gib"] = float(meas["params_plus_optimizer_gib"])
         measured["activations_gib"] = float(meas["activations_gib"])
     not_counted = {}
-    if async_tp and "tokens_per_s_per_gpu" in measured:
-        not_counted["tokens_per_s_per_gpu"] = ASYNC_TP_WHY
     if "peak_mem_gib" in measured and "202506" in str(row["source"].get("path", "")) and compile_:
         not_counted["peak_mem_gib"] = ("TorchTitan e7c0cae compiles the loss as well (Compile.components defaults "
                                        "to ['model', 'loss']), so no fp32 logits are kept; this project's executor "

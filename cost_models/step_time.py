@@ -121,7 +121,7 @@ def _tp_collectives(table, model, workload, tp_link, r: Rates, tokens, tp) -> tu
     return tp_one, tp_rec, n_coll, (fwd, bwd, rec)
 
 
-def _tp_exposed(mm, model, coeffs, tp, tp_one, sides) -> tuple[np.ndarray, np.ndarray]:
+def _tp_exposed(mm, model, workload, coeffs, tp, tp_one, sides) -> tuple[np.ndarray, np.ndarray]:
     """Exposed TP collective time of one block per micro-batch, forward and backward.
 
     Without overlap every collective is on the critical path.  Async TP (TorchTitan's micro-pipelined
@@ -132,17 +132,40 @@ def _tp_exposed(mm, model, coeffs, tp, tp_one, sides) -> tuple[np.ndarray, np.nd
     matmuls of time g the ring's tp-1 transfers hide under (tp-1)/tp of g and the exposed time is
     max(0, c - tp_overlap * g * (tp-1)/tp).  Each collective hides only under its own matmuls (`TP_SIDES`:
     a GQA model's all-gather before the small QKV projection stays partly exposed however large its
-    MLP); backward its collectives meet the input- and weight-gradient GEMMs (2 g); the collectives a
-    recomputation repeats are counted with the backward's, under the same GEMMs."""
+    MLP).  Backward, ``full`` (userbuffers: fused QKV and gate/up weights, the input-gradient
+    reduce-scatter overlapped with the weight-gradient GEMM) pairs each side's collectives, the
+    recomputed ones included, with its input- and weight-gradient GEMMs (2 g).  ``async`` is what torch's
+    ``micro_pipeline_tp`` pass fuses (torch/_inductor/fx_passes/micro_pipeline_tp.py): an all-gather with
+    the matmuls that read it, a reduce-scatter with the single matmul that produces it
+    (``_find_producer_matmul``).  So backward the row-parallel side's gradient all-gather hides under its
+    input-gradient matmul (1 g), a column-parallel side's input-gradient reduce-scatter only when one
+    matmul feeds it (autograd sums the separate Q, K, V or gate and up input gradients first: exposed), and
+    recomputed forward collectives under their recomputed matmuls (1 g); it needs sequence parallelism."""
     fwd, bwd, rec = sides
     g = [np.zeros_like(tp_one) for _ in TP_SIDES]
+    n_mm = [0] * len(TP_SIDES)
     for m, t in mm:
         side = tp_side(m, model.dim)
         if side is not None:
             g[side] = g[side] + t
-    hide = coeffs.tp_overlap * (tp - 1.0) / np.maximum(tp, 1.0)
-    tpf = sum(np.maximum(0.0, fwd[i] * tp_one - hide * g[i]) for i in range(len(TP_SIDES)))
-    tpb = sum(np.maximum(0.0, (bwd[i] + rec[i]) * tp_one - hide * 2 * g[i]) for i in range(len(TP_SIDES)))
+            n_mm[side] += 1
+    overlap = coeffs.tp_overlap
+    async_tp = workload.tp_comm_overlap == "async"
+    if async_tp and not workload.sequence_parallel:
+        overlap = 0.0
+    hide = overlap * (tp - 1.0) / np.maximum(tp, 1.0)
+    sides_ = range(len(TP_SIDES))
+    if not async_tp:
+        tpf = sum(np.maximum(0.0, fwd[i] * tp_one - hide * g[i]) for i in sides_)
+        tpb = sum(np.maximum(0.0, (bwd[i] + rec[i]) * tp_one - hide * 2 * g[i]) for i in sides_)
+        return tpf, tpb
+    # even sides all-gather forward (fused with any number of consuming matmuls) and reduce-scatter backward;
+    # odd sides the reverse; a reduce-scatter fuses only with one producing matmul
+    fwd_hide = [hide * g[i] if (i % 2 == 0 or n_mm[i] == 1) else 0.0 for i in sides_]
+    bwd_hide = [hide * g[i] if (i % 2 == 1 or n_mm[i] == 1) else 0.0 for i in sides_]
+    tpf = sum(np.maximum(0.0, fwd[i] * tp_one - fwd_hide[i]) for i in sides_)
+    tpb = sum(np.maximum(0.0, bwd[i] * tp_one - bwd_hide[i]) + np.maximum(0.0, rec[i] * tp_one - fwd_hide[i])
+              for i in sides_)
     return tpf, tpb
 
 
@@ -191,7 +214,7 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     gpu_f = g_f + a_fwd + el_f + kern * lat
     gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
     g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
-    tpf, tpb = _tp_exposed(mm, model, coeffs, tp, tp_one, sides)
+    tpf, tpb = _tp_exposed(mm, model, workload, coeffs, tp, tp_one, sides)
     # host side: every kernel and every collective is launched by the CPU; the TP collectives
     # sit on the compute stream (no overlap), so they count on the GPU side as well
     host_f = (kern + n_coll) * r.launch

@@ -105,6 +105,10 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
         add("selective recompute by Megatron submodules", table.is_ac("selective"))
     add("tensor parallel keeping " + ("gathered inputs" if workload.tp_keeps_gathered else "sequence shards"),
         table.tp > 1)
+    tp_overlap = "full" if workload.tp_overlap_auto(hw) else workload.tp_comm_overlap
+    if tp_overlap in ("full", "async"):
+        add("tensor-parallel collectives " + ("under their matmuls (TP overlap)" if tp_overlap == "full"
+                                              else "fused by async TP (micro_pipeline_tp)"), table.tp > 1)
     if model.is_moe:
         if workload.ep_a2a_overlap != "none":
             add("MoE all-to-alls under the other micro-batch (combined 1F1B)",

@@ -118,7 +118,9 @@ class Workload:
     ``overlap_param_gather`` off, DeepSpeed's pipeline engine, whose ``ReduceGrads`` is its own
     instruction), ``full`` (as far as the concurrent compute reaches: Megatron's ``tp_comm_overlap``
     userbuffers pipelining each TP collective with its matmul; FSDP2's prefetched all-gathers and
-    reduce-scatters, Megatron's overlapped bucket reduction) or ``auto`` (the coefficients' ``tp_overlap`` /
+    reduce-scatters, Megatron's overlapped bucket reduction), for TP also ``async`` (TorchTitan's async TP:
+    torch's ``micro_pipeline_tp`` pass fuses only an all-gather feeding matmuls and a reduce-scatter fed by
+    one matmul, ``step_time._tp_exposed``) or ``auto`` (the coefficients' ``tp_overlap`` /
     ``dp_overlap``: a framework regime's or a calibration file's value, by default none for TP and full
     for DP; TP under the megatron layout on Hopper or later GPUs is full, :meth:`tp_overlap_auto`).
     Either way what stays exposed is max(0, collective - concurrent compute), per block
@@ -197,7 +199,7 @@ class Workload:
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
     pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
     pp_grad_sync: Literal["last_microbatch", "every_microbatch"] = "last_microbatch"   # pipeline: DP grad sync
-    tp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # TP collectives under the block's matmuls
+    tp_comm_overlap: Literal["auto", "none", "full", "async"] = "auto"   # TP collectives under their matmuls
     dp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # DP/FSDP collectives under compute
 
     def __post_init__(self) -> None:
@@ -313,7 +315,7 @@ class Workload:
 
     def with_overlaps(self, coeffs, hw=None):
         """`coeffs` with ``tp_overlap`` / ``dp_overlap`` set by ``tp_comm_overlap`` / ``dp_comm_overlap``
-        (none -> 0, full -> 1); ``auto`` keeps the coefficients' own value, except TP under
+        (none -> 0, full and async -> 1); ``auto`` keeps the coefficients' own value, except TP under
         :meth:`tp_overlap_auto` (given the hardware `hw`), which is ``full``."""
         over = {name: 0.0 if value == "none" else 1.0
                 for name, value in (("tp_overlap", self.tp_comm_overlap), ("dp_overlap", self.dp_comm_overlap))

@@ -307,7 +307,7 @@ _OTHER_FRAMEWORKS = (
      "titan-run's pipelining keeps the tensors a stage has sent (auto or kept"),
     ("pp_recv_buffers", lambda wl: not wl.pp_recv_persistent,
      "titan-run's stages receive into a fresh buffer per micro-batch (auto or per_microbatch"),
-    ("tp_comm_overlap", lambda wl: wl.tp_comm_overlap != "full",
+    ("tp_comm_overlap", lambda wl: wl.tp_comm_overlap in ("auto", "none"),
      "titan-run runs each TP collective on its own, not pipelined with the matmul (auto or none"),
     ("dp_comm_overlap", lambda wl: wl.dp_comm_overlap != "none",
      "titan-run's FSDP2 prefetches its all-gathers and overlaps its reduce-scatters (auto or full"),

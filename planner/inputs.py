@@ -94,8 +94,11 @@ WORKLOAD_HELP = {
                     "not on the V schedules)",
     "tp_comm_overlap": "TP collectives: auto (default: the framework's or calibration's tp_overlap; titan-run: "
                        "none; the megatron layout on H100/H200/B200: full, as NVIDIA's recipes), none (on the "
-                       "critical path: plain TP) or full (under the block's matmuls: Megatron's tp_comm_overlap "
-                       "userbuffers)",
+                       "critical path: plain TP), full (each collective under the matmul that reads or writes its "
+                       "tensor: Megatron's tp_comm_overlap userbuffers) or async (TorchTitan's async TP: torch's "
+                       "micro_pipeline_tp fuses an all-gather with the matmuls it feeds and a reduce-scatter with the "
+                       "one matmul that feeds it, so backward the reduce-scatter of summed Q/K/V or gate/up input "
+                       "gradients stays exposed)",
     "moment_dtype": "AdamW's two moments: fp32 (default; titan-run) or bf16 (DeepSeek-V3, arXiv:2412.19437 Sec. "
                     "3.3.3; Megatron-core's --exp-avg-dtype bf16): 4 instead of 8 optimizer bytes per parameter, the "
                     "fp32 master copy unchanged",

@@ -51,9 +51,9 @@ def test_each_value_is_the_overlap_coefficient_it_names():
 
 def test_bad_values_are_refused_in_one_line():
     with pytest.raises(SpecError) as ei:
-        _wl(tp_comm_overlap="async")
+        _wl(tp_comm_overlap="asynch")
     msg = str(ei.value)
-    assert "\n" not in msg and "tp_comm_overlap" in msg and "auto, none, full" in msg, msg
+    assert "\n" not in msg and "tp_comm_overlap" in msg and "auto, none, full, async" in msg, msg
 
 
 def test_the_flags_and_the_plan_file_set_them_and_json_echoes_them(tmp_path):
@@ -79,4 +79,5 @@ def test_the_flags_and_the_plan_file_set_them_and_json_echoes_them(tmp_path):
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
     assert_titan_run_refuses(tmp_path, "tp_comm_overlap", "full", ["auto", "none"])
+    assert_titan_run_refuses(tmp_path, "tp_comm_overlap", "async", ["auto", "none"])
     assert_titan_run_refuses(tmp_path, "dp_comm_overlap", "none", ["auto", "full"])

@@ -30,9 +30,11 @@ class _Model:
     dim = DIM
 
 
-def _exposed(overlap: float, tp: float = 8.0, c: float = 1.0):
-    mm = [(m, np.array([t])) for m, t in BLOCK]
-    tpf, tpb = _tp_exposed(mm, _Model(), Coefficients(tp_overlap=overlap), np.array([tp]), np.array([c]), SP_SIDES)
+def _exposed(overlap: float, tp: float = 8.0, c: float = 1.0, block=BLOCK, mode: str = "auto", sides=SP_SIDES,
+             sp: bool = True):
+    mm = [(m, np.array([t])) for m, t in block]
+    wl = Workload(seq_len=8, global_batch=1, tp_comm_overlap=mode, sequence_parallel=sp)
+    tpf, tpb = _tp_exposed(mm, _Model(), wl, Coefficients(tp_overlap=overlap), np.array([tp]), np.array([c]), sides)
     return float(tpf[0]), float(tpb[0])
 
 
@@ -74,3 +76,33 @@ def test_full_overlap_of_a_gqa_model_leaves_tp_time_exposed_end_to_end():
     full = est1(plan, wl=Workload(tp_comm_overlap="full", **wl)).time["tp_comm"][0]
     # llama3-70b at TP 8: the MLP hides its collectives, the attention projections do not hide theirs
     assert 0.0 < full < 0.5 * none
+
+
+def test_async_tp_fuses_what_torchs_micro_pipeline_pass_matches():
+    """torch's micro_pipeline_tp fuses all-gather -> matmuls and one matmul -> reduce-scatter: forward as full;
+    backward the summed Q/K/V (gate/up) input gradients' reduce-scatters stay exposed, the gradient
+    all-gathers hide under the input-gradient matmul only (1 g, not 2 g)."""
+    full_f, _ = _exposed(1.0)
+    tpf, tpb = _exposed(1.0, mode="async")
+    assert tpf == pytest.approx(full_f)
+    assert tpb == pytest.approx(1.0 + 1.0 + (1.0 - 0.5 * 7 / 8) + 0.0)
+    # a GELU MLP's single fc1 produces its input gradient alone: that reduce-scatter fuses
+    gelu = BLOCK[:4] + [(Matmul("fc1", DIM, 4096, COL, group="ffn"), 10.0),
+                        (Matmul("fc2", 4096, DIM, ROW, group="ffn"), 10.0)]
+    _, tpb_gelu = _exposed(1.0, block=gelu, mode="async")
+    assert tpb_gelu == pytest.approx(1.0 + (1.0 - 0.5 * 7 / 8))
+    # recomputed forward collectives (full AC) pair as forward, under the recomputed matmuls once
+    rec = ((1.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0), [np.ones(1)] * 4)
+    _, tpb_rec = _exposed(1.0, mode="async", sides=rec)
+    assert tpb_rec == pytest.approx(tpb + 2 * (1.0 - 0.5 * 7 / 8))
+    # async TP needs sequence parallelism (all-gather / reduce-scatter pairs): without it nothing hides
+    nosp = ((0.0, 2.0, 0.0, 2.0), (2.0, 0.0, 2.0, 0.0), [np.zeros(1)] * 4)
+    assert _exposed(1.0, mode="async", sides=nosp, sp=False) == pytest.approx((4.0, 4.0))
+
+
+def test_async_tp_sits_between_plain_and_full_overlap_end_to_end():
+    plan = Plan(dp_shard=8, tp=8, microbatch=2, n_microbatches=1, ac="selective", compile=True)
+    wl = dict(seq_len=8192, global_batch=16, selective_ac="op")
+    tp = {mode: est1(plan, model="llama3-8b", wl=Workload(tp_comm_overlap=mode, **wl)).time["tp_comm"][0]
+          for mode in ("none", "async", "full")}
+    assert tp["full"] < tp["async"] < tp["none"]
