@@ -57,6 +57,25 @@ class Estimates:
         }
 
 
+def time_breakdown(table, model, hw, workload, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
+    """Seconds per step of every candidate by `TIME_KEYS` (their sum is the step time), the
+    workload's overlap switches applied to `coeffs` as `estimate` applies them."""
+    coeffs = workload.with_overlaps(coeffs or Coefficients(), hw)     # tp_comm_overlap / dp_comm_overlap
+    tim = step_time_breakdown(table, model, hw, workload, coeffs)
+    return {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(len(table)) for k in TIME_KEYS}
+
+
+def memory_by_key(table, model, hw, workload, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
+    """Bytes per device of every candidate by `MEMORY_KEYS` (their sum is the peak), the calibrated
+    ``memory_scale`` included in ``overhead``."""
+    coeffs = workload.with_overlaps(coeffs or Coefficients(), hw)
+    mem = memory_breakdown(table, model, workload, coeffs, hw=hw)
+    mem = {k: np.asarray(mem[k], dtype=np.float64) + np.zeros(len(table)) for k in MEMORY_KEYS}
+    if coeffs.memory_scale != 1.0:          # calibrated safety factor: its share is reported as overhead
+        mem["overhead"] = mem["overhead"] + (coeffs.memory_scale - 1.0) * sum(mem[k] for k in MEMORY_KEYS)
+    return mem
+
+
 def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> Estimates:
     """Score every candidate of `table` for `model` on `hw` under `workload`.
 
@@ -64,16 +83,9 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     causal attention), against the dense bf16 peak (fp32 peak when the workload is fp32),
     also for float8 candidates.
     """
-    coeffs = workload.with_overlaps(coeffs or Coefficients(), hw)     # tp_comm_overlap / dp_comm_overlap
-    n = len(table)
-    mem = memory_breakdown(table, model, workload, coeffs, hw=hw)
-    tim = step_time_breakdown(table, model, hw, workload, coeffs)
-    mem = {k: np.asarray(mem[k], dtype=np.float64) + np.zeros(n) for k in MEMORY_KEYS}
-    tim = {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(n) for k in TIME_KEYS}
+    mem = memory_by_key(table, model, hw, workload, coeffs)
+    tim = time_breakdown(table, model, hw, workload, coeffs)
     peak = sum(mem[k] for k in MEMORY_KEYS)
-    if coeffs.memory_scale != 1.0:          # calibrated safety factor: its share is reported as overhead
-        mem["overhead"] = mem["overhead"] + (coeffs.memory_scale - 1.0) * peak
-        peak = peak * coeffs.memory_scale
     step = sum(tim[k] for k in TIME_KEYS)
     world = table.world_size.astype(np.float64)
     tokens_per_s = workload.global_batch_tokens / step

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cost_models.coefficients import Coefficients
-from cost_models.estimate import estimate
+from cost_models.estimate import estimate, memory_by_key, time_breakdown
 from cost_models.specs import load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
@@ -97,10 +97,23 @@ def load_measurements(storage: str, study_name: str | None, hardware: str | None
                         model=load_model(ua["model"]), hw=hw, workload=wl, source=f"{storage} study '{study_name}'")
 
 
+def _table(m: Measurements, idx=None) -> CandidateTable:
+    return CandidateTable.from_plans(m.plans if idx is None else [m.plans[i] for i in idx])
+
+
 def predict(m: Measurements, coeffs: Coefficients, idx=None):
-    plans = m.plans if idx is None else [m.plans[i] for i in idx]
-    est = estimate(CandidateTable.from_plans(plans), m.model, m.hw, m.workload, coeffs)
+    est = estimate(_table(m, idx), m.model, m.hw, m.workload, coeffs)
     return est.step_time_s, est.peak_memory_bytes
+
+
+def _step_times(m: Measurements, table: CandidateTable, coeffs: Coefficients) -> np.ndarray:
+    """The predicted step times alone (what the time fit evaluates, thousands of times)."""
+    return sum(time_breakdown(table, m.model, m.hw, m.workload, coeffs).values())
+
+
+def _peaks(m: Measurements, table: CandidateTable, coeffs: Coefficients) -> np.ndarray:
+    """The predicted peaks alone (what the memory fit evaluates)."""
+    return sum(memory_by_key(table, m.model, m.hw, m.workload, coeffs).values())
 
 
 def _with(base: Coefficients, names, x) -> Coefficients:
@@ -116,10 +129,10 @@ def fit(m: Measurements, idx: np.ndarray, base: Coefficients | None = None) -> C
     hi = np.array([p[2] for p in TIME_PARAMS])
     x0 = np.clip([getattr(base, n) for n in tn], lo, hi)
     meas_t = m.step_time_s[idx]
+    table = _table(m, idx)
 
     def res_t(x):
-        t, _ = predict(m, _with(base, tn, x), idx)
-        return np.log(t / meas_t)
+        return np.log(_step_times(m, table, _with(base, tn, x)) / meas_t)
 
     x = least_squares(res_t, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, x_scale="jac").x
     c = _with(base, tn, x)
@@ -147,10 +160,10 @@ def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficient
     meas_m = m.peak_memory_bytes[idx]
     scale = np.array([1.0, float(np.median(meas_m)), 1.0])   # make the unknowns O(1)
     c = dataclasses.replace(c, memory_scale=1.0)
+    table = _table(m, idx)
 
     def res_m(z):
-        _, mem = predict(m, _with(c, mn, z * scale), idx)
-        return np.log(meas_m / mem)
+        return np.log(meas_m / _peaks(m, table, _with(c, mn, z * scale)))
 
     z0 = np.clip([getattr(c, n) for n in mn], lo_m, hi_m) / scale
     lo_z, hi_z = lo_m / scale, hi_m / scale
@@ -164,7 +177,7 @@ def fit_memory(m: Measurements, idx: np.ndarray, c: Coefficients) -> Coefficient
     if spread(zs) < spread(z):
         z = np.clip(zs, lo_z, hi_z)
     c = _with(c, mn, z * scale)
-    _, mem = predict(m, c, idx)
+    mem = _peaks(m, table, c)
     worst = float(np.max(meas_m / mem))     # the promise: predicted >= measured for every trial
     return dataclasses.replace(c, memory_scale=max(worst, 1e-3) * 1.001)
 
