@@ -147,19 +147,25 @@ def matmul_times(table, model, workload, coeffs, r: Rates, moe: bool) -> list[tu
     return out
 
 
-def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
-                only: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(forward time of all block matmuls, forward time of those the 'op' selective policy recomputes);
-    with `only`, of the matmuls whose name it accepts."""
-    fwd = np.zeros(len(table))
-    recomputed = np.zeros(len(table))
-    for i, (m, t) in enumerate(matmul_times(table, model, workload, coeffs, r, moe)):
+def gemm_sums(mm: list[tuple], only: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward time of the matmuls of `matmul_times`' list `mm`, forward time of those the 'op' selective
+    policy recomputes: the 2nd, 4th, ... in forward order); with `only`, of the matmuls whose name it accepts."""
+    fwd, recomputed = 0.0, 0.0
+    for i, (m, t) in enumerate(mm):
         if only is not None and not only(m.name):
             continue
-        fwd += t
+        fwd = fwd + t
         if i % 2:
-            recomputed += t
+            recomputed = recomputed + t
     return fwd, recomputed
+
+
+def layer_gemms(table, model, workload, coeffs, r: Rates, moe: bool,
+                only: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`gemm_sums` of a block's matmuls (all of them, or those whose name `only` accepts)."""
+    z = np.zeros(len(table))
+    fwd, recomputed = gemm_sums(matmul_times(table, model, workload, coeffs, r, moe), only)
+    return fwd + z, recomputed + z
 
 
 def per_expert_gemms(workload) -> bool:

@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
 from search_spaces.plan import Plan
@@ -198,6 +199,21 @@ def assert_backends_agree(a: TitanRun, b: TitanRun, rtol: float = 1e-5) -> None:
     """The spmd_types run `a` and the dtensor run `b` of one plan: loss and grad norm per step within `rtol`."""
     assert_close_per_step(a.losses, b.losses, rtol, "loss (spmd_types vs dtensor)")
     assert_close_per_step(a.grad_norms, b.grad_norms, rtol, "grad norm (spmd_types vs dtensor)")
+
+
+def backend_params(layouts, *, slow=(), dtensor_slow=()) -> tuple[list, list]:
+    """pytest parameters of a parity matrix on both backends: ([(layout, backend)] for the single-process
+    parity test, [layout] for the backend-agreement test).  Layouts in `slow` are marked slow everywhere;
+    those in `dtensor_slow` only on the dtensor fallback and in the agreement test, so the default backend
+    keeps them in the CI run (`python -m pytest -m "not slow"`, 30 minutes on 2 cores) and `-m slow` runs
+    the rest."""
+    def marks(is_slow: bool) -> list:
+        return [pytest.mark.slow] if is_slow else []
+    pairs = [pytest.param(name, backend, id=f"{backend}-{name}",
+                          marks=marks(name in slow or (backend == "dtensor" and name in dtensor_slow)))
+             for backend in ("spmd_types", "dtensor") for name in layouts]
+    agree = [pytest.param(name, marks=marks(name in slow or name in dtensor_slow)) for name in layouts]
+    return pairs, agree
 
 
 _BACKEND_RUNS: dict = {}

@@ -78,7 +78,7 @@ def test_sigkill_one_rank_elastic_restart_resumes_from_latest(base2):
     assert metrics_steps(run_dir) == list(range(1, STEPS + 1))     # kept up to the checkpoint, appended after
 
 
-@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("use_async", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
 def test_save_killed_midway_leaves_the_previous_checkpoint(base2, use_async):
     """Killed after every shard of step 4 was written, before COMPLETE (async: the writer process kills its
     trainer there, while training went on): step-000004 never becomes visible, step-000002 is loaded."""
