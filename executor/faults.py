@@ -124,10 +124,26 @@ def expected_failure(exc: BaseException, where: str | Path | None = None) -> str
     return None
 
 
+_MARKER = "titan-run-error-{key}-{launcher}"      # in the temp dir; {launcher}: the workers' parent's pid
+
+
+def clear_error_markers(launcher_pid: int) -> None:
+    """Remove the markers `print_once` left for the workers of the launcher process `launcher_pid` (the
+    torchrun agent, ``executor.launch``), once they are gone."""
+    for marker in Path(tempfile.gettempdir()).glob(_MARKER.format(key="*", launcher=launcher_pid)):
+        marker.unlink(missing_ok=True)
+
+
 def print_once(line: str) -> None:
-    """Print `line` to stderr once per node and run: the first rank to get here prints it."""
+    """Print `line` to stderr once per node and run: the first rank to get here prints it (a marker file in
+    the temp dir, which titan-run's launcher removes when the run ends, `clear_error_markers`; a torchrun
+    started by hand leaves it).  A node with one process prints without a marker."""
+    if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1":
+        print(f"titan-run: error: {line}", file=sys.stderr, flush=True)
+        return
     key = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
-    marker = Path(tempfile.gettempdir()) / f"titan-run-error-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}-{os.getppid()}"
+    marker = Path(tempfile.gettempdir()) / _MARKER.format(key=re.sub(r'[^A-Za-z0-9_.-]', '_', key),
+                                                          launcher=os.getppid())
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:

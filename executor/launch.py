@@ -31,9 +31,10 @@ from pathlib import Path
 
 from search_spaces.lifetime import die_with_parent
 
+from .faults import EXIT_PEER_FAILED, clear_error_markers
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_BAD_INPUT = 2                # as executor.cli: the workers printed the one line already
-EXIT_PEER_FAILED = 3              # as executor.faults.EXIT_PEER_FAILED: a rank that only lost a peer
 RDZV_JOIN_TIMEOUT_S = 60.0        # how long a node waits for the others at the rendezvous (default)
 
 
@@ -179,6 +180,8 @@ def torchrun_main(argv: list[str]) -> int:
               f"{': '.join(x for x in (type(e).__name__, ' '.join(str(e).split())[:200]) if x)}",
               file=sys.stderr, flush=True)
         return 1
+    finally:
+        clear_error_markers(os.getpid())           # the workers' one-line-per-node markers (faults.print_once)
     return 0
 
 

@@ -42,13 +42,16 @@ def read_only_dir(tmp_path):
 def test_read_only_run_dir_is_one_line_exit_2(tmp_path, read_only_dir):
     d, problem = read_only_dir
     run_dir = d / "run"
+    tmp = tmp_path / "tmp"          # the temp dir of the run: the once-per-node markers go there
+    tmp.mkdir()
     p = subprocess.run(titan_run_cmd("--plan", _plan(tmp_path), "--nproc-per-node", "2", "--run-dir", str(run_dir)),
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, env={**env(), "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=300)
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1, p.stderr                                  # once, not per rank; no torchrun dump
     assert lines[0].startswith("titan-run: error:") and str(run_dir) in lines[0] and problem in lines[0], lines[0]
     assert "Traceback" not in p.stdout + p.stderr
+    assert not list(tmp.glob("titan-run-error-*"))                    # the launcher removed the marker
 
 
 def test_nnodes_2_without_rdzv_endpoint_is_refused(tmp_path):
