@@ -30,7 +30,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import yaml
 
 from search_spaces.plan import Plan
@@ -207,6 +206,8 @@ def backend_params(layouts, *, slow=(), dtensor_slow=()) -> tuple[list, list]:
     those in `dtensor_slow` only on the dtensor fallback and in the agreement test, so the default backend
     keeps them in the CI run (`python -m pytest -m "not slow"`, 30 minutes on 2 cores) and `-m slow` runs
     the rest."""
+    import pytest     # here, not at the top: bench/ scripts import this module without the dev extra
+
     def marks(is_slow: bool) -> list:
         return [pytest.mark.slow] if is_slow else []
     pairs = [pytest.param(name, backend, id=f"{backend}-{name}",
