@@ -77,7 +77,8 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     latents, the up projections' inputs); SwiGLU keeps gate and up outputs (eager autograd also
     keeps silu(gate) and the product: 4 tensors of width ffn_hidden; a compiled SwiGLU 2, the
     partitioner recomputing the product; a fused SwiGLU kernel, ``Workload.swiglu_impl`` (Megatron's
-    bias-SwiGLU), 3: its input and the down projection's input); fused (flash/SDPA) attention keeps no s x s scores but its output O and
+    bias-SwiGLU), 3: its input and the down projection's input; the whole FFN as one function, xformers'
+    SwiGLU op, 2: it rebuilds the product in its backward); fused (flash/SDPA) attention keeps no s x s scores but its output O and
     the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan RMSNorm upcasts to fp32
     and keeps the fp32 input plus the bf16 normalized output (3x the bf16 width), a fused norm
     keeps its input, titan-run's eager norm (``norm_impl: auto`` uncompiled) its input and the
@@ -195,11 +196,15 @@ def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, saved: _Sav
     not name, keep the compute dtype)."""
     lin = saved.lin
     fused_mlp = workload.swiglu_fused                 # a fused SwiGLU kernel: its output is the kept fc2 input
+    rebuild = workload.swiglu_recomputes_product      # ... unless the whole FFN is one function (fused_ffn)
     if not moe:
-        return np.array([sum(_saved_ffn_parts(model, model.ffn_hidden, e, lin, compiled, fused_mlp)), 0.0, 0.0, 0.0])
+        return np.array([sum(_saved_ffn_parts(model, model.ffn_hidden, e, lin, compiled, fused_mlp,
+                                              rebuilds_product=rebuild)), 0.0, 0.0, 0.0])
     k, w = model.top_k, model.moe_ffn_hidden
-    hidden, act_out = _saved_ffn_parts(model, w, e, lin, compiled, fused_mlp, gate_up=saved.moe_swiglu_in)
-    shared = (sum(_saved_ffn_parts(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp))
+    hidden, act_out = _saved_ffn_parts(model, w, e, lin, compiled, fused_mlp, gate_up=saved.moe_swiglu_in,
+                                       rebuilds_product=rebuild)
+    shared = (sum(_saved_ffn_parts(model, model.n_shared_experts * w, e, lin, compiled, fused_mlp,
+                                   rebuilds_product=rebuild))
               if model.n_shared_experts else 0.0)
     outputs = e * model.dim if workload.moe_keeps_expert_outputs else 0.0   # kept by a weighted combine
     return np.array([k * hidden, k * (lin * model.dim + outputs), shared, k * act_out])
@@ -237,13 +242,17 @@ def _module_drops(model, workload, moe: bool, compiled: bool, saved: _Saved) -> 
 
 
 def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
-                     fused_mlp: bool = False, gate_up: float | None = None) -> tuple[float, float]:
+                     fused_mlp: bool = False, gate_up: float | None = None,
+                     rebuilds_product: bool = False) -> tuple[float, float]:
     """Bytes per token an FFN of hidden `width` keeps, as (the hidden tensors before the activation's
     output, the activation's output = the fc2 input); `lin`: bytes of a saved linear input, `gate_up`: of
-    a SwiGLU input element (default `e`)."""
+    a SwiGLU input element (default `e`); `rebuilds_product`: the whole FFN is one function that keeps gate
+    and up and rebuilds the product in its backward (``swiglu_impl: fused_ffn``)."""
     if model.mlp != "swiglu":
         return e * width, lin * width                 # GeLU input, its output (= fc2 input)
     g = e if gate_up is None else gate_up
+    if rebuilds_product:                              # gate and up; the product rebuilt for fc2's weight grad
+        return 2 * g * width, 0.0
     if fused_mlp:                                     # one kernel: gate and up; the product is fc2's input
         return 2 * g * width, lin * width
     if compiled:                                      # the partitioner keeps gate and up, recomputing the product

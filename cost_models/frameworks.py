@@ -66,15 +66,17 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "batch's gradients into fp32 (update_hp_grads); the pipeline engine's ReduceGrads runs after "
                   "the last backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
     Framework("llama3-meta", "Meta's Llama 3 training stack (arXiv:2407.21783 Sec. 3.3.2: FSDP x TP x PP x CP)",
-              {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused", "gqa_kv": "native",
+              {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused_ffn", "gqa_kv": "native",
                "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch"},
               why="its TP is Korthikanti et al.'s sequence parallelism (cited), which keeps the sequence shard; "
                   "'we proactively deallocate ... the input and output tensors of each pipeline stage'; 'our use "
                   "of FSDP ... shards optimizer states and gradients' (each micro-batch's, under the pipeline); "
                   "kernels inferred, not stated: the 8K stage ran without activation checkpointing on 80 GB "
                   "(Sec. 3.3.2), which eager kernels cannot (116 GiB on the 16,384-GPU layout), so a fused norm, "
-                  "a fused SwiGLU and attention taking GQA K/V as they are, as Meta's xformers kernels and LLaMA "
-                  "1's hand-written backward (arXiv:2302.13971 Sec. 2.4) do (docs/memory_audit.md); the rest as "
+                  "the FFN as one function keeping gate and up (xformers' SwiGLU op rebuilds the product in its "
+                  "backward; LLaMA 1's hand-written backward keeps 'the outputs of linear layers', "
+                  "arXiv:2302.13971 Sec. 2.4) and attention taking GQA K/V as they are (docs/memory_audit.md); "
+                  "the rest as "
                   "TorchTitan's (PyTorch FSDP2 and DTensor)"),
     Framework("deepseek-hai-llm", "DeepSeek's HAI-LLM (arXiv:2412.19437 Sec. 3.2-3.3: ZeRO-1, fused kernels, FP8)",
               {**_MEGATRON, "moment_dtype": "bf16", "float8_cache": "fine_grained"},

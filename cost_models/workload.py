@@ -145,8 +145,12 @@ class Workload:
     keeps the product: 4 tensors of width ffn_hidden; a compiled block's partitioner keeps gate and up only
     and recomputes the rest: 2) or ``fused`` (one activation kernel keeping its inputs gate and up, its
     output being the down projection's kept input: 3, compiled or not -- Megatron's bias-SwiGLU
-    ``bias_swiglu_impl``, Transformer Engine's, Liger's ``LigerSiLUMulFunction``); ``auto`` is ``fused`` for
-    the megatron layout and ``eager`` for fsdp2 (titan-run, TorchTitan).
+    ``bias_swiglu_impl``, Transformer Engine's, Liger's ``LigerSiLUMulFunction``) or ``fused_ffn`` (one
+    autograd function over the whole FFN, gate/up GEMM, activation and down GEMM, which keeps gate and up and
+    recomputes the product in its backward for the down projection's weight gradient: 2, compiled or not --
+    xformers' ``SwiGLU`` op, whose ``_SwiGLUFusedFunc`` saves the input, gate and up and rebuilds the product
+    in ``silu_bw_fused``; LLaMA 1's hand-written backward, arXiv:2302.13971 Sec. 2.4); ``auto`` is ``fused``
+    for the megatron layout and ``eager`` for fsdp2 (titan-run, TorchTitan).
     ``gqa_kv`` is how the attention kernel takes grouped-query K and V (models with fewer kv heads than
     heads): ``expanded`` (TorchTitan repeats K and V to n_heads before SDPA, ``repeat_kv``, which saves
     the expanded copies) or ``native`` (the kernel reads the kv heads as they are and keeps K and V at
@@ -189,7 +193,7 @@ class Workload:
     moe_weighting: Literal["auto", "combine", "activation"] = "auto"   # where router weights multiply
     ep_dispatch: Literal["auto", "every_copy", "per_node"] = "auto"   # how EP tokens cross nodes
     norm_impl: Literal["auto", "eager", "fused", "composite"] = "auto"     # the RMSNorm/LayerNorm kernel
-    swiglu_impl: Literal["auto", "eager", "fused"] = "auto"   # the SwiGLU activation kernel
+    swiglu_impl: Literal["auto", "eager", "fused", "fused_ffn"] = "auto"   # the SwiGLU activation kernel
     gqa_kv: Literal["auto", "expanded", "native"] = "auto"    # GQA K/V: repeated to n_heads, or as they are
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     moment_dtype: Literal["fp32", "bf16"] = "fp32"            # AdamW's exp_avg and exp_avg_sq
@@ -268,10 +272,17 @@ class Workload:
 
     @property
     def swiglu_fused(self) -> bool:
-        """``swiglu_impl`` with ``auto`` resolved by the state layout: True for one fused activation kernel."""
+        """``swiglu_impl`` with ``auto`` resolved by the state layout: True for a fused kernel (``fused``, or
+        ``fused_ffn``, the whole FFN as one function)."""
         if self.swiglu_impl != "auto":
-            return self.swiglu_impl == "fused"
+            return self.swiglu_impl in ("fused", "fused_ffn")
         return self.state_layout == "megatron"
+
+    @property
+    def swiglu_recomputes_product(self) -> bool:
+        """True when the SwiGLU product ``silu(gate) * up`` is not kept but rebuilt in the backward
+        (``swiglu_impl: fused_ffn``; a compiled eager SwiGLU's partitioner does the same, `_saved_ffn_parts`)."""
+        return self.swiglu_impl == "fused_ffn"
 
     @property
     def gqa_kv_expanded(self) -> bool:

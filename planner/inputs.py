@@ -58,7 +58,9 @@ WORKLOAD_HELP = {
                  "TorchTitan runs it: fused when compiled, else eager)",
     "swiglu_impl": "SwiGLU kernel: auto (default: fused for megatron, else eager), eager (autograd of the plain "
                    "code keeps gate, up, silu(gate) and the product; 2 of them when compiled: titan-run, TorchTitan) "
-                   "or fused (one kernel keeping gate and up, the down projection its input: Megatron, TE, Liger)",
+                   "or fused (one kernel keeping gate and up, the down projection its input: Megatron, TE, Liger) or "
+                   "fused_ffn (the whole FFN as one function keeping gate and up, rebuilding the product in "
+                   "backward: xformers' SwiGLU op)",
     "gqa_kv": "how attention takes grouped-query K/V: auto (default: native), expanded (repeated to n_heads "
               "before SDPA and saved so: TorchTitan's repeat_kv) or native (kept at n_kv_heads: titan-run's SDPA "
               "with enable_gqa, flash-attn, cuDNN, Transformer Engine)",

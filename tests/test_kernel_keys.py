@@ -56,6 +56,25 @@ def test_each_key_removes_what_it_names_on_the_405b_layout():
     assert _activations(**meg, gqa_kv="expanded", swiglu_impl="eager") == pytest.approx(base, rel=1e-9)
 
 
+def test_fused_ffn_keeps_gate_and_up_only():
+    """swiglu_impl fused_ffn (xformers' SwiGLU op: the whole FFN one function, the product rebuilt in backward)
+    keeps one ffn-width tensor less than the 3-tensor fused kernel and two less than eager autograd, per layer
+    and micro-batch; under compile it keeps what the partitioner keeps (gate and up) and nothing else moves."""
+    eager = _activations()
+    fused = _activations(swiglu_impl="fused")
+    ffn = _activations(swiglu_impl="fused_ffn")
+    assert eager - fused == pytest.approx(fused - ffn, rel=1e-9) and fused - ffn > 0
+    compiled = dataclasses.replace(PLAN, compile=True)
+    act = lambda **kw: float(estimate(CandidateTable.from_plans([compiled]), L405, H100,
+                                      Workload(seq_len=8192, global_batch=2048, **kw),
+                                      Coefficients()).memory["activations"][0])
+    assert act(swiglu_impl="fused_ffn") == pytest.approx(act(swiglu_impl="eager"), rel=1e-12)
+    assert act(swiglu_impl="fused") > act(swiglu_impl="fused_ffn")
+    wl = Workload(seq_len=64, global_batch=4, swiglu_impl="fused_ffn")
+    assert wl.swiglu_fused and wl.swiglu_recomputes_product
+    assert not Workload(seq_len=64, global_batch=4, swiglu_impl="fused").swiglu_recomputes_product
+
+
 def test_gqa_kv_does_nothing_without_grouped_query_attention():
     m = load_model("llama3-debug")
     m = dataclasses.replace(m, name="mha-debug", n_kv_heads=m.n_heads)
@@ -67,7 +86,7 @@ def test_gqa_kv_does_nothing_without_grouped_query_attention():
 
 
 def test_bad_values_are_refused_in_one_line():
-    for key, bad, allowed in (("swiglu_impl", "liger", "auto, eager, fused"),
+    for key, bad, allowed in (("swiglu_impl", "liger", "auto, eager, fused, fused_ffn"),
                               ("gqa_kv", "grouped", "auto, expanded, native")):
         with pytest.raises(SpecError) as ei:
             Workload(seq_len=64, global_batch=4, **{key: bad})
@@ -97,4 +116,5 @@ def test_flags_plan_file_and_json_echo(tmp_path):
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
     assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused", ["auto", "eager"])
+    assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused_ffn", ["auto", "eager"])
     assert_titan_run_refuses(tmp_path, "gqa_kv", "expanded", ["auto", "native"])
