@@ -131,6 +131,9 @@ class RunConfig:
     train: TrainConfig
     source: str                     # plan file path, or "default"
     resolved: dict = field(default_factory=dict)   # the plan-file dict after overrides
+    # the plan file's ``predicted`` block (titan-plan's figures) when the run is what was predicted: the
+    # file's model, hardware, plan and workload, no --set outside train.*; None otherwise
+    prediction: dict | None = None
 
     @property
     def seq_len(self) -> int:
@@ -219,7 +222,12 @@ def load_run_config(plan_path: str | None, overrides: list[str] | None, *, world
                     steps: int | None = None) -> RunConfig:
     """Read the plan file (or the default), apply overrides, build and validate the config."""
     raw = read_plan_file(plan_path) if plan_path else {}
-    raw = apply_overrides(raw, parse_overrides(overrides))
+    parsed = parse_overrides(overrides)
+    predicted = raw.get("predicted")
+    # titan-plan's prediction holds for the run only while nothing it was made for is overridden
+    prediction = (dict(predicted) if isinstance(predicted, Mapping)
+                  and all(k.split(".", 1)[0] == "train" for k, _ in parsed) else None)
+    raw = apply_overrides(raw, parsed)
     if steps is not None:
         raw = apply_overrides(raw, [("train.steps", steps)])
     check_keys(raw, TOP_LEVEL_KEYS, where=str(plan_path) if plan_path else "config", error=ConfigError)
@@ -269,7 +277,7 @@ def load_run_config(plan_path: str | None, overrides: list[str] | None, *, world
     raw["workload"] = {**given, "seq_len": workload.seq_len, "global_batch": workload.global_batch}
     raw["train"] = dataclasses.asdict(train)
     cfg = RunConfig(plan=plan, model=model_name, spec=spec, hardware=hardware, workload=workload, train=train,
-                    source=str(plan_path) if plan_path else "default", resolved=raw)
+                    source=str(plan_path) if plan_path else "default", resolved=raw, prediction=prediction)
     validate(cfg, world_size)
     return cfg
 

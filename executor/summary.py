@@ -35,7 +35,54 @@ def summarize(tr, records: list[dict], hw) -> dict:
         "comm_s_per_step": {a: statistics.median(r["comm_s"].get(a, 0.0) for r in steady) for a in axes},
         "comm_method": "exposed time in c10d/functional collectives per process group (executor/comm_timer.py)",
         **summarize_moe(steady),
-    }
+    } | versus_prediction(cfg.prediction, med("step_time_s"), max(per_rank_peak) if per_rank_peak else None,
+                          cfg.resolved.get("inputs"), hw)
+
+
+def versus_prediction(pred: dict | None, step_s: float, peak_bytes: int | None, inputs, hw) -> dict:
+    """``{"vs_plan": ...}``: the run's median step time and peak memory against titan-plan's prediction in the
+    plan file (``RunConfig.prediction``), with its p90 bounds; empty when there is none or it was made for
+    other hardware than the run's."""
+    if not isinstance(pred, dict) or not isinstance(pred.get("step_time_s"), (int, float)):
+        return {}
+    planned_hw = inputs.get("hardware") if isinstance(inputs, dict) else None
+    if planned_hw is not None and (hw is None or planned_hw != hw.name):
+        return {}
+    num = lambda key: float(pred[key]) if isinstance(pred.get(key), (int, float)) else None  # noqa: E731
+    out = {"step_time_s": step_s, "predicted_step_time_s": num("step_time_s"),
+           "predicted_step_time_p90_s": num("step_time_p90_s"),
+           "step_time_error": step_s / float(pred["step_time_s"]) - 1.0}
+    if peak_bytes and num("peak_memory_gib"):
+        out |= {"peak_memory_gib": peak_bytes / 2**30, "predicted_peak_memory_gib": num("peak_memory_gib"),
+                "predicted_peak_memory_p90_gib": num("peak_memory_p90_gib"),
+                "peak_memory_error": peak_bytes / 2**30 / num("peak_memory_gib") - 1.0}
+    return {"vs_plan": out}
+
+
+def prediction_line(s: dict) -> str | None:
+    """One line: measured against the plan's prediction (step time, peak memory), with the p90 bound each
+    falls inside or beyond, and what to do when the step is beyond it."""
+    v = s.get("vs_plan")
+    if not v:
+        return None
+
+    def part(name, got, want, p90, err, fmt):
+        bound = "" if p90 is None else (f", beyond the p90 bound {fmt(p90)}" if got > p90
+                                        else f", within the p90 bound {fmt(p90)}")
+        return f"{name} {fmt(got)} measured / {fmt(want)} predicted ({100 * err:+.1f}%{bound})"
+    secs = lambda x: f"{x:.3f} s"                                          # noqa: E731
+    mib = lambda x: f"{x * 1024:,.0f} MiB" if x < 1 else f"{x:.2f} GiB"    # noqa: E731
+    parts = [part("step", v["step_time_s"], v["predicted_step_time_s"], v["predicted_step_time_p90_s"],
+                  v["step_time_error"], secs)]
+    if "peak_memory_gib" in v:
+        parts.append(part("peak memory", v["peak_memory_gib"], v["predicted_peak_memory_gib"],
+                          v["predicted_peak_memory_p90_gib"], v["peak_memory_error"], mib))
+    line = "titan-run: vs the plan: " + "; ".join(parts)
+    p90 = v["predicted_step_time_p90_s"]
+    if p90 is not None and v["step_time_s"] > p90:
+        line += (" (to fit the cost model to this machine: titan-plan profile measures its hardware figures, "
+                 "titan-plan trials and titan-plan calibrate the rest)")
+    return line
 
 
 def summary_line(s: dict, run_dir, last_checkpoint: str | None) -> str:

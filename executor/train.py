@@ -53,7 +53,7 @@ from .parallel import spmd_step
 from .parallel.pipeline import build_schedule
 from .parallel.spmd_pipeline import build_typed_schedule, typed_cp_shard_batch
 from .parallel.tensor_parallel import cross_entropy, loss_parallel, loss_value
-from .summary import summarize, summary_line, write_rank_file
+from .summary import prediction_line, summarize, summary_line, write_rank_file
 
 COMM_AXES = AXES + FLAT_AXES + ("ep", "efsdp", "world", "self", "other")
 
@@ -299,6 +299,9 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
     if rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(summary_line(summary, run_dir, ckpt.last_saved), flush=True)
+        vs = prediction_line(summary)
+        if vs:
+            print(vs, flush=True)
     return summary
 
 

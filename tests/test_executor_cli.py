@@ -326,3 +326,49 @@ def test_float8_with_tp_on_dtensor_is_refused_in_one_line(tmp_path):
     assert spmd_plan_unsupported(Plan(dp_shard=2, tp=2, float8=True)) is None
     assert resolve_backend(Plan(dp_shard=2, tp=2, float8=True), SimpleNamespace(spmd_dp=None),
                            announce=True) == "spmd_types"
+
+
+# --------------------------------------------------------------------------- measured against the plan
+def test_prediction_is_carried_only_for_the_run_it_was_made_for(tmp_path):
+    pred = {"step_time_s": 0.5, "step_time_p90_s": 0.6, "peak_memory_gib": 0.25, "peak_memory_p90_gib": 0.3}
+    f = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, predicted=pred, inputs={"hardware": "cpu"})
+    assert load_run_config(f, [], world_size=2).prediction == pred
+    assert load_run_config(f, ["train.lr=1e-3"], world_size=2, steps=3).prediction == pred   # train.* only
+    for other in (["plan.reshard_after_forward=false"], ["workload.seq_len=32"], ["model=llama3-debug"]):
+        assert load_run_config(f, other, world_size=2).prediction is None, other
+    assert load_run_config(None, [], world_size=2).prediction is None
+
+
+def test_versus_prediction_figures_and_line():
+    from cost_models.specs import load_hardware
+    from executor.summary import prediction_line, versus_prediction
+    cpu = load_hardware("cpu")
+    pred = {"step_time_s": 0.5, "step_time_p90_s": 0.6, "peak_memory_gib": 0.25, "peak_memory_p90_gib": 0.3}
+    v = versus_prediction(pred, 0.65, 2**28, {"hardware": "cpu"}, cpu)["vs_plan"]
+    assert v["step_time_error"] == pytest.approx(0.3) and v["peak_memory_error"] == pytest.approx(0.0)
+    line = prediction_line({"vs_plan": v})
+    assert "step 0.650 s measured / 0.500 s predicted (+30.0%, beyond the p90 bound 0.600 s)" in line, line
+    assert "peak memory 256 MiB measured / 256 MiB predicted (+0.0%, within the p90 bound 307 MiB)" in line, line
+    assert "titan-plan profile" in line and "\n" not in line
+    fast = prediction_line(versus_prediction(pred, 0.45, None, {"hardware": "cpu"}, cpu))
+    assert "(-10.0%, within the p90 bound 0.600 s)" in fast and "profile" not in fast and "peak" not in fast
+    # a prediction for other hardware, or none at all, gives no comparison
+    assert versus_prediction(pred, 0.65, None, {"hardware": "h100-sxm"}, cpu) == {}
+    assert versus_prediction(None, 0.65, None, {}, cpu) == {} and prediction_line({}) is None
+
+
+@pytest.mark.distributed
+def test_run_from_a_titan_plan_file_reports_against_its_prediction(tmp_path):
+    plan_file = tmp_path / "plan.yaml"
+    p = subprocess.run([sys.executable, "-m", "planner.cli", "--seq-len", "64", "--global-batch", "4", "--out",
+                        str(plan_file)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    predicted = yaml.safe_load(plan_file.read_text())["predicted"]
+    run_dir = tmp_path / "run"
+    r = run(["--plan", str(plan_file), "--steps", "4", "--run-dir", str(run_dir)], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    v = json.loads((run_dir / "summary.json").read_text())["vs_plan"]
+    assert v["predicted_step_time_s"] == predicted["step_time_s"] and v["step_time_s"] > 0
+    assert v["step_time_error"] == pytest.approx(v["step_time_s"] / predicted["step_time_s"] - 1)
+    line = [x for x in r.stdout.splitlines() if x.startswith("titan-run: vs the plan: ")]
+    assert len(line) == 1 and f"{v['predicted_step_time_s']:.3f} s predicted" in line[0], r.stdout
