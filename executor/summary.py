@@ -35,18 +35,26 @@ def summarize(tr, records: list[dict], hw) -> dict:
         "comm_s_per_step": {a: statistics.median(r["comm_s"].get(a, 0.0) for r in steady) for a in axes},
         "comm_method": "exposed time in c10d/functional collectives per process group (executor/comm_timer.py)",
         **summarize_moe(steady),
-    } | versus_prediction(cfg.prediction, med("step_time_s"), max(per_rank_peak) if per_rank_peak else None,
-                          cfg.resolved.get("inputs"), hw)
+    } | versus_prediction(cfg.prediction if prediction_applies(cfg, hw, tr.device.type) else None,
+                          med("step_time_s"), max(per_rank_peak) if per_rank_peak else None)
 
 
-def versus_prediction(pred: dict | None, step_s: float, peak_bytes: int | None, inputs, hw) -> dict:
+def prediction_applies(cfg, hw, device_type: str) -> bool:
+    """True when the plan file's prediction was made for the hardware this run measures on: the spec the run
+    loaded (the plan's ``hardware`` key, else the device's preset) is the one titan-plan was given (its
+    ``inputs.hardware``, a preset name or a file path) and is of the run's device kind (a GPU plan run on
+    the CPU is not its prediction)."""
+    if hw is None or (hw.device == "cpu") != (device_type == "cpu"):
+        return False
+    inputs = cfg.resolved.get("inputs")
+    planned = inputs.get("hardware") if isinstance(inputs, dict) else None
+    return planned is None or planned == (cfg.hardware if cfg.hardware is not None else hw.name)
+
+
+def versus_prediction(pred: dict | None, step_s: float, peak_bytes: int | None) -> dict:
     """``{"vs_plan": ...}``: the run's median step time and peak memory against titan-plan's prediction in the
-    plan file (``RunConfig.prediction``), with its p90 bounds; empty when there is none or it was made for
-    other hardware than the run's."""
+    plan file (``RunConfig.prediction``), with its p90 bounds; empty when there is none."""
     if not isinstance(pred, dict) or not isinstance(pred.get("step_time_s"), (int, float)):
-        return {}
-    planned_hw = inputs.get("hardware") if isinstance(inputs, dict) else None
-    if planned_hw is not None and (hw is None or planned_hw != hw.name):
         return {}
     num = lambda key: float(pred[key]) if isinstance(pred.get(key), (int, float)) else None  # noqa: E731
     out = {"step_time_s": step_s, "predicted_step_time_s": num("step_time_s"),

@@ -339,22 +339,32 @@ def test_prediction_is_carried_only_for_the_run_it_was_made_for(tmp_path):
     assert load_run_config(None, [], world_size=2).prediction is None
 
 
-def test_versus_prediction_figures_and_line():
+def test_versus_prediction_figures_and_line(tmp_path):
     from cost_models.specs import load_hardware
-    from executor.summary import prediction_line, versus_prediction
-    cpu = load_hardware("cpu")
+    from executor.summary import prediction_applies, prediction_line, versus_prediction
     pred = {"step_time_s": 0.5, "step_time_p90_s": 0.6, "peak_memory_gib": 0.25, "peak_memory_p90_gib": 0.3}
-    v = versus_prediction(pred, 0.65, 2**28, {"hardware": "cpu"}, cpu)["vs_plan"]
+    v = versus_prediction(pred, 0.65, 2**28)["vs_plan"]
     assert v["step_time_error"] == pytest.approx(0.3) and v["peak_memory_error"] == pytest.approx(0.0)
     line = prediction_line({"vs_plan": v})
     assert "step 0.650 s measured / 0.500 s predicted (+30.0%, beyond the p90 bound 0.600 s)" in line, line
     assert "peak memory 256 MiB measured / 256 MiB predicted (+0.0%, within the p90 bound 307 MiB)" in line, line
     assert "titan-plan profile" in line and "\n" not in line
-    fast = prediction_line(versus_prediction(pred, 0.45, None, {"hardware": "cpu"}, cpu))
+    fast = prediction_line(versus_prediction(pred, 0.45, None))
     assert "(-10.0%, within the p90 bound 0.600 s)" in fast and "profile" not in fast and "peak" not in fast
-    # a prediction for other hardware, or none at all, gives no comparison
-    assert versus_prediction(pred, 0.65, None, {"hardware": "h100-sxm"}, cpu) == {}
-    assert versus_prediction(None, 0.65, None, {}, cpu) == {} and prediction_line({}) is None
+    assert versus_prediction(None, 0.65, None) == {} and prediction_line({}) is None
+    # the hardware the prediction was made for: a preset name or a file path, as titan-plan was given it
+    cpu, h100 = load_hardware("cpu"), load_hardware("h100-sxm")
+    hw_file = tmp_path / "hw.yaml"
+    hw_file.write_text(yaml.safe_dump({**cpu.to_dict(), "name": "cpu-here"}))
+    for hw_key, ok in ((None, True), ("cpu", True), (str(hw_file), True)):
+        f = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, predicted=pred,
+                       inputs={"hardware": hw_key or "cpu"}, **({"hardware": hw_key} if hw_key else {}))
+        cfg = load_run_config(f, [], world_size=2)
+        assert prediction_applies(cfg, load_hardware(hw_key or "cpu"), "cpu") is ok, hw_key
+        assert not prediction_applies(cfg, load_hardware(hw_key or "cpu"), "cuda")   # another device kind
+    f = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, predicted=pred, inputs={"hardware": "h100-sxm"})
+    assert not prediction_applies(load_run_config(f, [], world_size=2), cpu, "cpu")   # made for an H100
+    assert not prediction_applies(load_run_config(f, [], world_size=2), h100, "cpu")
 
 
 @pytest.mark.distributed
