@@ -124,26 +124,34 @@ def expected_failure(exc: BaseException, where: str | Path | None = None) -> str
     return None
 
 
-_MARKER = "titan-run-error-{key}-{launcher}"      # in the temp dir; {launcher}: the workers' parent's pid
+_MARKER = "titan-run-error-{key}-{launcher}"      # {launcher}: the workers' parent's pid
 
 
 def clear_error_markers(launcher_pid: int) -> None:
-    """Remove the markers `print_once` left for the workers of the launcher process `launcher_pid` (the
-    torchrun agent, ``executor.launch``), once they are gone."""
+    """Remove the markers `print_once` left in the temp dir for the workers of the launcher process
+    `launcher_pid` (the torchrun agent, ``executor.launch``), once they are gone."""
     for marker in Path(tempfile.gettempdir()).glob(_MARKER.format(key="*", launcher=launcher_pid)):
         marker.unlink(missing_ok=True)
 
 
+def _marker_dir() -> Path:
+    """Where a node's workers meet for `print_once`: the elastic agent's folder of this attempt (the parent of
+    each worker's ``TORCHELASTIC_ERROR_FILE`` folder, shared by the node's workers and made afresh for every
+    restart), which titan-run's launcher removes with its log dir and a hand-started torchrun keeps in its
+    own; else the temp dir."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    return Path(error_file).parent.parent if error_file else Path(tempfile.gettempdir())
+
+
 def print_once(line: str) -> None:
     """Print `line` to stderr once per node and run: the first rank to get here prints it (a marker file in
-    the temp dir, which titan-run's launcher removes when the run ends, `clear_error_markers`; a torchrun
-    started by hand leaves it).  A node with one process prints without a marker."""
+    `_marker_dir`; in the temp dir titan-run's launcher removes it when the run ends, `clear_error_markers`).
+    A node with one process prints without a marker."""
     if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1":
         print(f"titan-run: error: {line}", file=sys.stderr, flush=True)
         return
     key = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
-    marker = Path(tempfile.gettempdir()) / _MARKER.format(key=re.sub(r'[^A-Za-z0-9_.-]', '_', key),
-                                                          launcher=os.getppid())
+    marker = _marker_dir() / _MARKER.format(key=re.sub(r'[^A-Za-z0-9_.-]', '_', key), launcher=os.getppid())
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:

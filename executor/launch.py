@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from search_spaces.lifetime import die_with_parent
@@ -160,6 +162,12 @@ def torchrun_main(argv: list[str]) -> int:
                                                           RendezvousError)
     from torch.distributed.run import parse_args, run  # torch: launcher path
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # failures: our one line
+    # the agent's log dir (per attempt and rank: error files, the workers' print_once markers): torch makes a
+    # torchelastic_* folder in the temp dir and leaves it; this one goes when the run ends
+    own_log_dir = None
+    if not any(a.split("=", 1)[0] in ("--log-dir", "--log_dir", "--logs-specs", "--logs_specs") for a in argv):
+        own_log_dir = tempfile.mkdtemp(prefix="titan-run-elastic-")
+        argv = ["--log-dir", own_log_dir, *argv]
     args = parse_args(argv)
     try:
         run(args)
@@ -182,6 +190,8 @@ def torchrun_main(argv: list[str]) -> int:
         return 1
     finally:
         clear_error_markers(os.getpid())           # the workers' one-line-per-node markers (faults.print_once)
+        if own_log_dir is not None:
+            shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
 
 

@@ -52,6 +52,7 @@ def test_read_only_run_dir_is_one_line_exit_2(tmp_path, read_only_dir):
     assert lines[0].startswith("titan-run: error:") and str(run_dir) in lines[0] and problem in lines[0], lines[0]
     assert "Traceback" not in p.stdout + p.stderr
     assert not list(tmp.glob("titan-run-error-*"))                    # the launcher removed the marker
+    assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("titan-run-elastic-*"))   # and its log dir
 
 
 def test_nnodes_2_without_rdzv_endpoint_is_refused(tmp_path):

@@ -18,11 +18,13 @@ small machine.
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,21 @@ DEFAULT_STEPS = 5
 # small, deterministic, fast: enough learning rate that 5 steps move the loss
 DEFAULT_TRAIN = {"lr": 3e-3, "warmup": 2, "seed": 0, "profile_step": 0, "tensorboard": False,
                  "max_corpus_bytes": 1_000_000, "grad_clip": 1.0}
+
+
+_SPEC_DIR: list[Path] = []
+
+
+def model_spec_file(spec: dict, stem: str) -> str:
+    """`spec` (a model dict) as a YAML file titan-run can load, in one folder for this test process that goes
+    when it exits."""
+    if not _SPEC_DIR:
+        folder = Path(tempfile.mkdtemp(prefix="titan-test-specs-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _SPEC_DIR.append(folder)
+    path = _SPEC_DIR[0] / f"{stem}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
 
 
 def titan_run_cmd(*args: str) -> list[str]:

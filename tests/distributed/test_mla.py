@@ -21,17 +21,14 @@ layouts on both backends and compares them.
 from __future__ import annotations
 
 import functools
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from cost_models.flops import attention_flops_per_token, attention_matmuls, param_counts
 from cost_models.specs import load_model, model_from_dict
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_matches_single_process
+from tests.distributed.harness import assert_matches_single_process, model_spec_file
 
 MODEL = "deepseek-debug"
 SEQ_LEN = 32
@@ -126,9 +123,7 @@ def spec_file(q_lora_rank: int | None = None) -> str:
     if q_lora_rank is not None:
         d.update(name=f"deepseek-debug-noaux-q{q_lora_rank}", q_lora_rank=q_lora_rank)
     model_from_dict(d)
-    path = Path(tempfile.mkdtemp(prefix="titan-mla-spec-")) / f"{d['name']}.yaml"
-    path.write_text(yaml.safe_dump(d))
-    return str(path)
+    return model_spec_file(d, d["name"])
 
 
 # losses within 1e-4 (relative), and the global gradient norms too: AdamW hides a wrong constant

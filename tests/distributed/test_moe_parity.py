@@ -23,15 +23,13 @@ process with the same micro-batches (the aux loss is per micro-batch).
 from __future__ import annotations
 
 import functools
-import tempfile
-from pathlib import Path
 
 import pytest
-import yaml
 
 from cost_models.specs import load_model, model_from_dict
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_close_per_step, assert_matches_single_process, reference_run
+from tests.distributed.harness import (assert_close_per_step, assert_matches_single_process, model_spec_file,
+                                      reference_run)
 
 pytestmark = pytest.mark.distributed
 GLOBAL_BATCH = 4
@@ -47,9 +45,7 @@ def moe_spec_file() -> str:
     d = load_model("moe-debug").to_dict()
     d.update(name="moe-debug-noaux", aux_loss_coef=0.0)
     model_from_dict(d)                       # validates
-    path = Path(tempfile.mkdtemp(prefix="titan-moe-spec-")) / "moe-debug-noaux.yaml"
-    path.write_text(yaml.safe_dump(d))
-    return str(path)
+    return model_spec_file(d, "moe-debug-noaux")
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +111,7 @@ def aux_spec_file() -> str:
     d = load_model("moe-debug").to_dict()
     d.update(name="moe-debug-aux1", aux_loss_coef=1.0)
     model_from_dict(d)
-    path = Path(tempfile.mkdtemp(prefix="titan-moe-spec-")) / "moe-debug-aux1.yaml"
-    path.write_text(yaml.safe_dump(d))
-    return str(path)
+    return model_spec_file(d, "moe-debug-aux1")
 
 
 def aux_terms(run) -> list[float]:
