@@ -113,7 +113,9 @@ def run_profile(*, nproc: int, out: str, base: str, name: str, quick: bool = Fal
                  max_bytes: int = 16 * 2 ** 20, raw_out: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         raw = raw_out or os.path.join(tmp, "profile.json")
+        # the agent's logs in the same folder (torch would make a torchelastic_* one in the temp dir and leave it)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--log-dir", os.path.join(tmp, "elastic"),
                "-m", "executor.profile", "--out", raw, "--max-bytes", str(max_bytes)] + (["--quick"] if quick else [])
         print(f"[titan-plan profile] running {nproc} process(es): GEMMs, memory bandwidth, collectives ...",
               file=sys.stderr, flush=True)

@@ -266,13 +266,15 @@ def test_issue14_bad_data_under_a_plain_torchrun_is_said_once(tmp_path):
     """torchrun started by hand (no titan-run launcher): the first rank to fail says it, once, before torchrun's
     own report."""
     plan = write_plan(tmp_path, {"dp_shard": 2, "microbatch": 2}, {"data": _file(tmp_path / "c.csv", "a,b\n")})
+    logs = tmp_path / "elastic"          # torchrun's log dir, where the workers' once-per-node marker goes
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "executor.cli", "--plan", plan, "--run-dir", str(tmp_path / "run")], cwd=ROOT,
-                       env=env(), capture_output=True, text=True, timeout=300)
+                        "--log-dir", str(logs), "-m", "executor.cli", "--plan", plan, "--run-dir",
+                        str(tmp_path / "run")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("titan-run: error:")]
     assert len(lines) == 1 and "c.csv' is a .csv file" in lines[0], p.stderr
     assert "exitcode  : 2" in p.stderr and not (tmp_path / "run").exists()
+    assert len(list(logs.glob("*/attempt_0/titan-run-error-*"))) == 1
 
 
 # --------------------------------------------------------------------------- real processes

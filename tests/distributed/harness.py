@@ -281,7 +281,7 @@ def launch_worker(script: str, nproc: int, *worker_args: str, timeout: float = 9
     with tempfile.TemporaryDirectory(prefix="titan-worker-") as tmp:
         out = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(HERE / script), *worker_args, "--out", out]
+               "--log-dir", os.path.join(tmp, "elastic"), str(HERE / script), *worker_args, "--out", out]
         with _heavy_lock(nproc > 4):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
         errs = sorted(f for f in os.listdir(tmp) if ".err" in f)
