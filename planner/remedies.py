@@ -8,7 +8,10 @@ change that keeps the layout's degrees and saves memory, stated as the flag that
   the V schedules);
 * other frameworks' regimes, which titan-run does not run (each a workload key the estimate reads):
   ``--pp-sent-tensors freed``, ``--norm-impl fused``, ``--swiglu-impl fused``, ``--gqa-kv native``,
-  ``--loss-impl fused``.
+  ``--loss-impl fused``;
+* a whole framework's regime, ``--framework NAME`` with the rest of the question as asked
+  (:func:`framework_regimes`): a layout that trained on another stack is told under which stacks'
+  kernels and state layout it fits, since the verdict without the flag is titan-run's.
 
 :func:`remedies` estimates every applicable single change (one vectorized estimate per workload) and, when
 no single one fits, changes together: added largest saving first until the layout fits, or all of them
@@ -144,6 +147,16 @@ def _greedy(cands: list[Remedy], saving: dict, plan, model, hw, workload, coeffs
     return pairs[k][0], figs[k]
 
 
+def framework_regimes(plan: Plan, model, hw, workloads: dict[str, Any], coeffs) -> list[dict[str, Any]]:
+    """The frameworks of `workloads` (name -> the question's workload under ``--framework name``) under whose
+    regime `plan` fits, fastest first: ``{"framework", "flags", "peak_memory_gib", "step_time_s"}``."""
+    names = list(workloads)
+    figs = _estimate([(plan, workloads[n]) for n in names], model, hw, coeffs)
+    return sorted(({"framework": n, "flags": f"--framework {n}", "peak_memory_gib": round(f[0] / GIB, 3),
+                    "step_time_s": round(f[1], 6)} for n, f in zip(names, figs) if f[2]),
+                  key=lambda d: d["step_time_s"])
+
+
 def format_remedies(rem: dict[str, Any], peak_gib: float, usable_gib: float, *, shown: int = 3) -> list[str]:
     """Lines for the text report."""
     lines = [f"does not fit by {peak_gib - usable_gib:.1f} GiB (peak {peak_gib:.1f} of {usable_gib:.1f} usable); "
@@ -158,4 +171,8 @@ def format_remedies(rem: dict[str, Any], peak_gib: float, usable_gib: float, *, 
         lines.append(("  together: " if c["fits"] else "  even together, still DOES NOT FIT: ") + one(c).strip())
     if not rem["single"] and (c is None or not c["fits"]):
         lines.append("  the degrees must change: titan-plan (the search) ranks every layout that fits")
+    fws = rem.get("frameworks") or []
+    if fws:
+        lines.append("  it fits under another framework's regime (titan-run does not run it): " + "; ".join(
+            f"{d['flags']} peak {d['peak_memory_gib']:.1f} GiB, step {d['step_time_s']:.4g} s" for d in fws[:shown]))
     return lines

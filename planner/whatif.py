@@ -19,10 +19,13 @@ and at the speed of the best one, not by one default alone.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 
 from cost_models.estimate import GIB, Estimates, estimate
+from cost_models.frameworks import FRAMEWORKS
+from cost_models.specs import SpecError
 from cost_models.moe_traffic import a2a_overlap_blocker
 from search_spaces import constraints as C
 from search_spaces.plan import PLAN_KEYS, Plan, PlanError
@@ -31,9 +34,9 @@ from search_spaces.table import CandidateTable
 from . import report
 from search_spaces.space import load_space
 
-from .inputs import read_question, resolve_inputs
+from .inputs import UsageError, read_question, resolve_inputs, resolve_workload
 from .plan_command import default_space
-from .remedies import format_remedies, remedies
+from .remedies import format_remedies, framework_regimes, remedies
 
 
 def estimate_layout(args, given: dict) -> dict:
@@ -134,6 +137,21 @@ def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
     return chosen, est, i, ac_note, notes
 
 
+def _framework_workloads(args, d, q) -> dict[str, Any]:
+    """The question's workload under each other framework's ``--framework`` (flags and the plan file's
+    ``workload:`` still win over the regime, as with the flag); regimes the question contradicts are left out."""
+    out = {}
+    for name, fw in FRAMEWORKS.items():
+        if name in ("titan-run", q.framework):
+            continue
+        try:
+            out[name] = resolve_workload(args, d.get("workload") or {}, model=q.model, hw=q.hardware, gpus=q.gpus,
+                                         base=fw.workload)
+        except (SpecError, UsageError, ValueError):
+            continue
+    return out
+
+
 def cmd_estimate(args) -> int:
     given, d = read_question(args.plan_file, args)
     where = f"{args.plan_file}: plan" if args.plan_file else "plan"
@@ -160,6 +178,8 @@ def cmd_estimate(args) -> int:
                     "are counted exposed" if blocker else None)
     # what would make it fit: one change each, or several together (planner/remedies.py)
     rem = None if est.fits[row] else remedies(plan, model, hw, workload, q.coeffs, float(est.peak_memory_bytes[row]))
+    if rem is not None:         # and under which other stacks' regimes it fits (--framework NAME, the rest as asked)
+        rem["frameworks"] = framework_regimes(plan, model, hw, _framework_workloads(args, d, q), q.coeffs)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "model": model.name, "hardware": hw.name, "gpus": gpus,
                           "workload": workload.to_dict(), "inputs": q.echo(), "titan_run_can_run": note is None,

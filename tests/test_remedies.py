@@ -69,3 +69,22 @@ def test_text_report_and_a_layout_that_fits():
     assert tail[1].startswith("  even together, still DOES NOT FIT: ") and "the degrees must change" in tail[2], tail
     fits = _est(*L8B, "--seq-len", "8192", "--global-batch", "16", "--ac", "full", "--microbatch", "1")
     assert fits["predicted"]["headroom_gib"] >= 0 and fits["remedies"] is None
+
+
+def test_the_frameworks_under_whose_regime_it_fits():
+    """The Llama 3 paper's 405B layout at 8K without recompute (arXiv:2407.21783 Table 4; it trained) does not
+    fit under titan-run's kernels; the report names the regime it fits under, with the figures that
+    ``--framework NAME`` gives for the same layout, and none when the question already is under it."""
+    base = ["estimate", "--hardware", "h100-sxm", "--model", "llama3-405b", "--gpus", "8192", "--seq-len", "8192",
+            "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B",
+            "--stages-per-rank", "4", "--ac", "none", "--reshard"]
+    doc = _est(*base, "--json")
+    fws = doc["remedies"]["frameworks"]
+    assert doc["predicted"]["headroom_gib"] < 0 and "llama3-meta" in {d["framework"] for d in fws}, fws
+    assert [d["step_time_s"] for d in fws] == sorted(d["step_time_s"] for d in fws)
+    for d in fws:
+        _check_against_its_own_estimate([*base, "--json"], {**d, "fits": True})
+    text = planner_cli(*base).stdout
+    assert "it fits under another framework's regime (titan-run does not run it): --framework llama3-meta" in text
+    under = _est(*base, "--json", "--framework", "llama3-meta")
+    assert under["predicted"]["headroom_gib"] >= 0 and under["remedies"] is None
