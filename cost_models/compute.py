@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .flops import COL, ROW, attention_dims, layer_matmuls
+from .moe_traffic import sends_once_per_node
 
 # Tile shapes cuBLAS/CUTLASS pick from for 16-bit tensor-core GEMMs (NVIDIA, "Matrix
 # Multiplication Background User's Guide", DU-09799-001, Sec. 2.3: 256x128, 128x128, 128x64,
@@ -242,6 +243,23 @@ def elementwise_bytes(model, workload, moe: bool, compiled: bool) -> tuple[float
         seq = (10 * e + (drop / 3 if drop else 0.0)) * h
         shard = 2 * e * (d_qk + d_k) + act * width + permute
     return seq, shard
+
+
+def ep_regroup_bytes(table, model, workload, moe: bool) -> np.ndarray:
+    """[n] Extra memory traffic per token of one MoE block forward when expert parallelism hands a rank its
+    tokens grouped by source rank: the received top_k copies are regrouped by local expert before the
+    experts and put back before the combine (a gather and a scatter, each reading and writing the copy:
+    4 e h per copy).  This executor's ``ExpertParallelExperts`` (``x_recv[perm]``, ``index_copy_``),
+    TorchTitan's ``_permute`` / ``_unpermute`` and Megatron-core's ``alltoall`` dispatcher
+    (``sort_chunks_by_idxs`` both ways) do it whenever a rank holds more than one expert; the per-node
+    dispatch (DeepEP, HybridEP: Megatron's ``flex``) permutes once after the dispatch, which is
+    `elementwise_bytes`' own pass.  Backward moves twice this, as the other pointwise traffic."""
+    if not (moe and model.is_moe):
+        return np.zeros(len(table))
+    e = 4.0 if workload.dtype == "fp32" else 2.0
+    ep = table.ep.astype(np.float64)
+    regroups = (ep > 1) & (model.n_experts / ep > 1) & (not sends_once_per_node(model, workload))
+    return np.where(regroups, model.top_k * 4 * e * model.dim, 0.0)
 
 
 def kernels_per_block(model, workload, moe: bool, compiled: bool) -> float:

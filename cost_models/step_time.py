@@ -18,8 +18,8 @@ import numpy as np
 
 
 from .comm import all_reduce_time, all_to_all_time, axis_links, link_params, p2p_time, ring_gather_time
-from .compute import (Rates, elementwise_bytes, expert_kernels, float8_cast_bytes, gemm_sums, gemm_time,
-                      head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
+from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels, float8_cast_bytes, gemm_sums,
+                      gemm_time, head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import ROW, attention_dims, layer_matmuls
 from .layout import layer_mix
@@ -196,7 +196,8 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     mm = matmul_times(table, model, workload, coeffs, r, moe)
     g_f, g_rec = gemm_sums(mm)
     e_seq, e_shard = np.array([elementwise_bytes(model, workload, moe, c) for c in (False, True)]).T
-    el_f = tokens * (e_seq[compiled.astype(int)] / sp + e_shard[compiled.astype(int)] / tp) / r.mem
+    el_f = tokens * (e_seq[compiled.astype(int)] / sp + (e_shard[compiled.astype(int)]
+                                                         + ep_regroup_bytes(table, model, workload, moe)) / tp) / r.mem
     el_f = el_f + np.where(table.float8, tokens * float8_cast_bytes(model, moe, compiled, r.elt) / tp / r.mem, 0.0)
     kern = np.where(compiled, kernels_per_block(model, workload, moe, True),
                     kernels_per_block(model, workload, moe, False)) + expert_kernels(table, model, workload, moe)

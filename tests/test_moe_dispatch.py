@@ -175,3 +175,25 @@ def test_default_titan_run_workload_sends_every_copy():
     once = step_time_breakdown(t, DSV3, H100, dataclasses.replace(wl, ep_dispatch="per_node"),
                                Coefficients())["ep_comm"][0]
     assert auto == every and once < 0.5 * every
+
+
+def test_regrouping_by_local_expert_costs_memory_traffic_only_where_it_happens():
+    """A rank holding several experts regroups what the every-copy all-to-all hands it (grouped by source rank)
+    by local expert and back (titan-run's ExpertParallelExperts, TorchTitan, Megatron's alltoall dispatcher):
+    top_k x 4 x 2 bytes x dim per token each way, backward twice the forward.  The per-node dispatch
+    permutes once after the dispatch (no extra pass), and a rank with one expert has nothing to regroup."""
+    from cost_models.compute import Rates, ep_regroup_bytes
+    per_tok = QWEN.top_k * 4 * 2 * QWEN.dim
+    t = CandidateTable.from_plans([Plan(dp_shard=d, ep=e, microbatch=1, n_microbatches=1, ac="none", runnable=False)
+                                   for d, e in ((16, 16), (128, 128))])
+    assert list(ep_regroup_bytes(t, QWEN, _wl("every_copy"), True)) == [per_tok, 0.0]      # 8 experts / 1 per rank
+    assert list(ep_regroup_bytes(t, QWEN, _wl("per_node"), True)) == [0.0, 0.0]
+    assert list(ep_regroup_bytes(t, QWEN, _wl("every_copy"), False)) == [0.0, 0.0]          # a dense block
+    # in the step: forward once, backward twice, per MoE block, on the memory-bound rate
+    one = CandidateTable.from_plans([Plan(dp_shard=16, ep=16, microbatch=1, n_microbatches=1, ac="none",
+                                          runnable=False)])
+    comp = {d: float(step_time_breakdown(one, QWEN, H100, _wl(d), Coefficients())["compute"][0])
+            for d in ("every_copy", "per_node")}
+    n_moe = float(layer_mix(one, QWEN)[1][0])
+    want = 3 * n_moe * 4096 * per_tok / Rates(H100, _wl(), Coefficients()).mem
+    assert comp["every_copy"] - comp["per_node"] == pytest.approx(want, rel=0.02)
