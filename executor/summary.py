@@ -89,7 +89,7 @@ def prediction_line(s: dict) -> str | None:
     p90 = v["predicted_step_time_p90_s"]
     if p90 is not None and v["step_time_s"] > p90:
         line += (" (to fit the cost model to this machine: titan-plan profile measures its hardware figures, "
-                 "titan-plan trials and titan-plan calibrate the rest)")
+                 "titan-plan --trials N and titan-plan calibrate the rest)")
     return line
 
 

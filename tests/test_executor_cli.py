@@ -350,7 +350,7 @@ def test_versus_prediction_figures_and_line(tmp_path):
     line = prediction_line({"vs_plan": v})
     assert "step 0.650 s measured / 0.500 s predicted (+30.0%, beyond the p90 bound 0.600 s)" in line, line
     assert "peak memory 256 MiB measured / 256 MiB predicted (+0.0%, within the p90 bound 307 MiB)" in line, line
-    assert "titan-plan profile" in line and "\n" not in line
+    assert "titan-plan profile" in line and "titan-plan --trials N" in line and "\n" not in line
     fast = prediction_line(versus_prediction(pred, 0.45, None))
     assert "(-10.0%, within the p90 bound 0.600 s)" in fast and "profile" not in fast and "peak" not in fast
     assert versus_prediction(None, 0.65, None) == {} and prediction_line({}) is None
