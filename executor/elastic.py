@@ -24,7 +24,7 @@ import os
 import socket
 import sys
 
-from search_spaces.constraints import EP_MESH, RUNTIME_RULES
+from search_spaces.constraints import EP_MESH, MICRO_RULES
 from search_spaces.plan import SCHEDULES, Plan, PlanError, min_microbatches
 from search_spaces.table import Columns
 
@@ -102,9 +102,9 @@ def replan(plan: Plan, world: int, global_batch: int | None = None) -> Plan:
 
 
 def _schedule_accepts(plan: Plan, n_microbatches: int) -> bool:
-    """The pipeline runtime's micro-batch rules (constraints.RUNTIME_RULES) for `plan`'s schedule."""
+    """The pipeline runtime's micro-batch rules (constraints.MICRO_RULES) for `plan`'s schedule."""
     cols = Columns({"pp": plan.pp, "schedule": SCHEDULES.index(plan.schedule), "n_microbatches": n_microbatches})
-    return all(bool(rule.ok(cols, None)) for rule in RUNTIME_RULES)
+    return all(bool(rule.ok(cols, None)) for rule in MICRO_RULES)
 
 
 def load_elastic_config(args, world: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -12,6 +13,13 @@ from .rank import PlanningError
 
 class TrialsError(PlanningError):
     """The study cannot be run as asked (storage locked or missing, another model, ...)."""
+
+
+def file_name(study_name: str) -> str:
+    """`study_name` as one file or folder name (the study's lock file, its trials' run folder): what is not
+    a letter, digit, '.', '_' or '-' becomes '_' (a study named after a hardware file, or by --study-name,
+    may hold '/')."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", study_name).lstrip(".") or "_"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -41,7 +49,7 @@ class StudyLock:
         name = study.study_name
         if url.startswith("sqlite:///"):
             path = Path(url[len("sqlite:///"):]).resolve()
-            lock = path.with_name(f"{path.name}.{name}.lock")
+            lock = path.with_name(f"{path.name}.{file_name(name)}.lock")
             try:
                 self.fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:

@@ -34,7 +34,7 @@ from search_spaces.table import CandidateTable
 
 from . import report
 from .progress import Progress
-from .study_lock import StudyLock, TrialsError
+from .study_lock import StudyLock, TrialsError, file_name
 from .trial_process import run_one
 from .rank import PlanningResult
 
@@ -112,7 +112,10 @@ def open_study(settings: TrialSettings, attrs: dict[str, Any]):
     import optuna   # optuna: imported when used (slow to import; titan-plan's cold start)
     from sqlalchemy.exc import ArgumentError, OperationalError  # optuna's RDB storage is SQLAlchemy
 
-    name = settings.study_name or "titan-" + "-".join(str(attrs[k]) for k in ("model", "hardware", "gpus"))
+    # the default name from the model, hardware (a preset's name, or a spec file's stem) and GPU count
+    name = settings.study_name or "titan-" + "-".join(
+        Path(v).stem if k != "gpus" and ("/" in v or v.endswith((".yaml", ".yml"))) else v
+        for k, v in ((k, str(attrs[k])) for k in ("model", "hardware", "gpus")))
     url = settings.storage
     if url.startswith("sqlite:///"):
         db_dir = Path(url[len("sqlite:///"):]).resolve().parent
@@ -289,7 +292,7 @@ def _measure(study, trial, plan: Plan, res, plan_inputs, settings, log, *, label
     gb = plan_inputs["global_batch"]
     one = estimate(CandidateTable.from_plans([plan]), res.model, res.hw, res.workload, res.coeffs)
     pred = report.predicted(one, 0)
-    run_dir = Path(settings.run_root) / study.study_name / f"trial{trial.number:04d}"
+    run_dir = Path(settings.run_root) / file_name(study.study_name) / f"trial{trial.number:04d}"
     plan_file = run_dir / "plan.yaml"
     write_plan_file(plan_file, {"model": plan_inputs["model"], "hardware": plan_inputs["hardware"],
                                 "workload": plan_inputs["workload"], "plan": plan, "predicted": pred})

@@ -12,7 +12,7 @@ Three groups:
 * `PLAN_RULES`: what any plan must satisfy (the mesh can be built, the schedule's stage
   count); `Plan` refuses to exist otherwise;
 * `RUNTIME_RULES`: what torch.distributed.pipelining, hence titan-run, needs of the
-  micro-batch count; `Plan` refuses by default, ``Plan(..., runnable=False)`` lets a
+  micro-batch count (`MICRO_RULES`) and of checkpointing under a split backward (`SPLIT_AC`); `Plan` refuses by default, ``Plan(..., runnable=False)`` lets a
   what-if estimate of another framework's layout through, and `check_plan` reports it;
 * `TARGET_RULES`: the plan against the world, the model and the workload.
 
@@ -36,6 +36,7 @@ R_EP = "ep does not divide experts and dp_shard*cp"
 R_BATCH = "global batch not divisible by dp*microbatch"
 R_MICRO = "micro-batch count does not suit the pipeline schedule"
 R_STAGES = "stages per rank do not suit the pipeline schedule"
+R_SPLIT_AC = "selective checkpointing under a split-backward schedule"
 R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
 R_TIED = "titan-run keeps tied embeddings tied only with tp 1 and pp 1"
@@ -127,6 +128,15 @@ MICRO_ROUNDS = Rule(
                            | interleaved_rounds_ok(p.n_microbatches, p.pp)),
     lambda p, t: (f"plan key 'n_microbatches' ({p.n_microbatches}) must be a multiple of "
                   f"max(1, n_microbatches // pp) = {max(1, p.n_microbatches // p.pp)} for Interleaved1F1B"))
+# torch's selective activation checkpoint replays its saved outputs once, but the V schedules' split backward
+# (torch.distributed.pipelining: input gradients, then weight gradients, each its own autograd pass) recomputes
+# a checkpointed region once per pass: the second raises "Trying to backward an extra time ... selective
+# activation checkpoint" (full checkpointing just recomputes twice)
+SPLIT_AC = Rule(
+    R_SPLIT_AC, lambda p, t: _not(p.is_v_schedule) | (p.pp == 1) | _not(p.is_ac("selective")),
+    lambda p, t: (f"schedule {p.schedule} with ac 'selective': the schedule's split backward recomputes a "
+                  "checkpointed block once for the input gradients and again for the weight gradients, and "
+                  "torch's selective checkpoint allows one recompute; use ac 'full' or 'none'"))
 
 WORLD = Rule(
     R_WORLD, lambda p, t: p.world_size == t.world_size,
@@ -168,15 +178,17 @@ TIED = Rule(
                   "keeps tied only with tp 1 and pp 1"))
 
 PLAN_RULES = (EP_MESH, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
-RUNTIME_RULES = (MICRO_COUNT, MICRO_ROUNDS)
+MICRO_RULES = (MICRO_COUNT, MICRO_ROUNDS)       # the runtime's micro-batch rules (ac is a later knob)
+RUNTIME_RULES = MICRO_RULES + (SPLIT_AC,)
 TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8, TIED)
 # the rules that are titan-run's limits, not laws of the layout, with what they limit: a what-if
 # estimate of another framework's layout predicts past them, saying so in one line
-TITAN_RUN_LIMITS = {MICRO_COUNT: "schedule", MICRO_ROUNDS: "schedule", TIED: "layout", PP_LAYERS: "layout"}
+TITAN_RUN_LIMITS = {MICRO_COUNT: "schedule", MICRO_ROUNDS: "schedule", SPLIT_AC: "schedule", TIED: "layout",
+                    PP_LAYERS: "layout"}
 
 
 CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, EP_MESH, BATCH, MICRO_COUNT, MICRO_ROUNDS,
-               FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED)
+               FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED, SPLIT_AC)
 assert set(CHECK_ORDER) == set(PLAN_RULES + RUNTIME_RULES + TARGET_RULES)
 
 

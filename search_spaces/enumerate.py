@@ -71,6 +71,8 @@ def enumerate_plans(space: SearchSpace, t: C.Target) -> Enumeration:
     d = _with_microbatch(d, space, t, rejected)
     base = _with_schedules(d, space, t, rejected)
     cols = _with_knobs(base, space, t, rejected)
+    good = _keep(Columns(cols), (C.SPLIT_AC,), "candidates", t, rejected)
+    cols = {k: v[good] for k, v in cols.items()}
     return Enumeration(table=CandidateTable(cols), rejected=rejected, n_layouts=n_layouts)
 
 
@@ -150,7 +152,7 @@ def _with_schedules(d: dict[str, np.ndarray], space: SearchSpace, t: C.Target,
         i, j = _cross(len(m_idx), len(opts))
         dm = {k: v[m_idx[i]] for k, v in d.items()}
         dm["schedule"], dm["stages_per_rank"] = sc[j], vv[j]
-        good = _keep(Columns(dm), (C.PP_LAYERS,) + C.RUNTIME_RULES, "layout x micro-batch x schedule choices",
+        good = _keep(Columns(dm), (C.PP_LAYERS,) + C.MICRO_RULES, "layout x micro-batch x schedule choices",
                      t, rejected)
         parts.append({k: v[good] for k, v in dm.items()})
     elif multi.any():

@@ -134,6 +134,9 @@ class Plan(PlanFacts):
     def is_schedule(self, name: str) -> bool:
         return self.schedule == name
 
+    def is_ac(self, name: str) -> bool:
+        return self.ac == name
+
     # -- validation ----------------------------------------------------------
     def validate(self, *, runnable: bool = True) -> None:
         """Field types and choices, then the rules a plan must meet whatever it is run on

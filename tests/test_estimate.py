@@ -56,7 +56,7 @@ def test_estimate_is_fast_on_a_large_space():
     m = load_model("llama3-405b")
     tgt = Target.of(m, world_size=16384, seq_len=8192, global_batch=2048, gpus_per_node=8)
     tab = enumerate_plans(load_space("dense"), tgt).table
-    assert len(tab) > 100_000
+    assert len(tab) > 90_000          # (96,320 since the V schedules drop selective checkpointing)
     hw, wl = load_hardware("h100-sxm"), Workload(seq_len=8192, global_batch=2048)
     estimate(tab, m, hw, wl)
     t0 = time.perf_counter()

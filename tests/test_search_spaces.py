@@ -306,3 +306,55 @@ def test_titan_run_limits_are_what_a_what_if_may_break():
     t8 = Target.of(m, world_size=8, seq_len=64, global_batch=8, gpus_per_node=8)
     pp8 = Plan(pp=8, microbatch=1, n_microbatches=8, schedule="1F1B")
     assert [r for r, _ in check_plan(pp8, t8, runnable=False)] == [C.R_PP_RANKS]
+
+
+def test_split_backward_schedules_refuse_selective_checkpointing():
+    """ZBVZeroBubble and DualPipeV run input and weight gradients as two autograd passes; titan-run refuses
+    selective checkpointing there in one line (a what-if keeps it, check_plan names the rule), the search
+    never proposes it, and full checkpointing stays."""
+    kw = dict(pp=2, n_microbatches=4, stages_per_rank=2)
+    for sched in ("ZBVZeroBubble", "DualPipeV"):
+        with pytest.raises(PlanError, match=f"schedule {sched} with ac 'selective'.*use ac 'full' or 'none'"):
+            Plan(schedule=sched, ac="selective", **kw)
+        Plan(schedule=sched, ac="full", **kw)
+        p = Plan(schedule=sched, ac="selective", runnable=False, **kw)
+        t = Target.of(_model(8, 8, 1, 16), world_size=2, seq_len=16, global_batch=4, gpus_per_node=8)
+        assert [r for r, _ in check_plan(p, t)] == [C.R_SPLIT_AC] and check_plan(p, t, runnable=False) == []
+        assert C.titan_run_limits(p, t)[0][0] == "schedule"
+    Plan(pp=2, n_microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2, ac="selective")   # one pass: fine
+    space = space_from_dict({"degrees": {"pp": [2]}, "knobs": {"schedule": ["DualPipeV", "1F1B"],
+                                                              "ac": ["selective", "full"]}})
+    t = Target.of(_model(8, 8, 1, 16), world_size=2, seq_len=16, global_batch=8, gpus_per_node=8)
+    en = enumerate_plans(space, t)
+    combos = {(p.schedule, p.ac) for p in en.table.plans()}
+    assert ("DualPipeV", "selective") not in combos and {("DualPipeV", "full"), ("1F1B", "selective")} <= combos
+    assert en.rejected_total()[C.R_SPLIT_AC] > 0
+
+
+def test_torchs_selective_checkpoint_allows_one_recompute():
+    """Why the rule exists (and a sign to lift it if torch changes): two autograd passes over a region under
+    torch's selective activation checkpoint -- input gradients, then weight gradients, as the V schedules'
+    split backward runs them -- fail on the second; full checkpointing recomputes the region again."""
+    import functools
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    lin = torch.nn.Linear(8, 8)
+    calls = [0]
+
+    def block(x):
+        calls[0] += 1
+        return torch.relu(lin(x)) * 2
+
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               lambda ctx, op, *a, **k: (CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default
+                                                         else CheckpointPolicy.PREFER_RECOMPUTE))
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = checkpoint(block, x, use_reentrant=False, context_fn=policy).sum()
+    torch.autograd.grad(loss, [x], retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        torch.autograd.grad(loss, [lin.weight])
+    calls[0] = 0
+    loss = checkpoint(block, x, use_reentrant=False).sum()
+    torch.autograd.grad(loss, [x], retain_graph=True)
+    torch.autograd.grad(loss, [lin.weight])
+    assert calls[0] == 3            # the forward, then one recompute per pass
