@@ -221,7 +221,13 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     host_b = (kern * (2.0 + rec_k) + n_coll * (1.0 + tp_rec / 4)) * r.launch
     f = launch_bound(gpu_f + tpf, host_f, r.sharpness) - tpf
     b = launch_bound(gpu_b + g_w + tpb, host_b, r.sharpness) - g_w - tpb
-    return {"f": f, "b": b, "w": g_w, "tpf": tpf, "tpb": tpb, "gpu_f": gpu_f, "gpu_b": gpu_b}
+    # the V schedules under torch.distributed.pipelining (the fsdp2 layout: titan-run, TorchTitan) run the
+    # backward as two autograd passes, input gradients then weight gradients, and a fully checkpointed block
+    # is recomputed in each (non-reentrant checkpoint recomputes per pass; DeepSeek's DualPipe keeps the
+    # weight-gradient inputs instead, the megatron layout): W repeats the block's forward
+    w_rec = np.where((workload.state_layout == "fsdp2") & table.is_v_schedule & (table.pp > 1) & ac_full,
+                     gpu_f, 0.0)
+    return {"f": f, "b": b, "w": g_w + w_rec, "tpf": tpf, "tpb": tpb, "gpu_f": gpu_f, "gpu_b": gpu_b}
 
 
 def _module_recompute(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp, sp, a_fwd) -> np.ndarray:

@@ -240,3 +240,27 @@ def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
     d_tied = S.step_time_breakdown(t, tied, hw, wl, c)["dp_comm"]
     d_untied = S.step_time_breakdown(t, untied, hw, wl, c)["dp_comm"]
     assert d_tied[0] - d_untied[0] == pytest.approx(sync[0], rel=1e-9)
+
+
+def test_split_backward_recomputes_a_fully_checkpointed_block_in_the_weight_pass():
+    """titan-run's V schedules (torch.distributed.pipelining) run input and weight gradients as two autograd
+    passes and a fully checkpointed block is recomputed in each (tests/test_search_spaces.py shows torch
+    doing it): W holds one more forward of the stage's blocks; a one-pass schedule's W does not, nor does
+    the megatron layout's DualPipe (its weight pass keeps the inputs)."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
+    coeffs = Coefficients()
+
+    def st(schedule, ac, layout="fsdp2"):
+        wl = Workload(seq_len=4096, global_batch=64, state_layout=layout, **({"zero": 1} if layout == "megatron" else {}))
+        t = CandidateTable.from_plans([Plan(dp_shard=4, pp=2, microbatch=1, n_microbatches=16, schedule=schedule,
+                                            stages_per_rank=2, ac=ac, reshard_after_forward=False, runnable=False)])
+        return S.stage_times(t, model, hw, wl, coeffs, axis_links(t, hw, coeffs), Rates(hw, wl, coeffs))
+
+    for sched in ("ZBVZeroBubble", "DualPipeV"):
+        full, none = st(sched, "full"), st(sched, "none")
+        blocks_f = float(full["F"][0] - full["head_F"][0])          # the stage's blocks, forward (GPU-bound)
+        assert float(full["W"][0] - none["W"][0]) == pytest.approx(blocks_f, rel=1e-3)
+        meg_full, meg_none = st(sched, "full", "megatron"), st(sched, "none", "megatron")
+        assert float(meg_full["W"][0]) == pytest.approx(float(meg_none["W"][0]), rel=1e-12)
+    one = st("Interleaved1F1B", "full"), st("Interleaved1F1B", "none")
+    assert float(one[0]["W"][0]) == pytest.approx(float(one[1]["W"][0]), rel=1e-12)
