@@ -237,13 +237,17 @@ def cmd_calibrate(args) -> int:
     print(f"{m.source}: {res['trials']} successful trials of {m.model.name} on {m.hw.name}")
 
     def row(label, e):
+        rho = e["spearman"]         # undefined with fewer than 3 trials or when all measured figures are equal
         return (f"  {label:<26} median {e['median_ape_pct']:6.1f}%  worst {e['worst_ape_pct']:6.1f}%  "
-                f"spearman {e['spearman']:.3f}")
+                f"spearman {'-' if rho != rho else f'{rho:.3f}'}")
     print("step time, |predicted - measured| / measured:")
     print(row("before", res["time_before"]))
     print(row("after (in sample)", res["time_after_in_sample"]))
     if "time_after_loo" in res:
         print(row("after (leave-one-out)", res["time_after_loo"]))
+    elif not args.no_loo:
+        print(f"  (no leave-one-out check with {res['trials']} trials: it needs 4; an in-sample fit of so few "
+              "trials says little: run more trials)")
     print("peak memory:")
     print(row("before", res["memory_before"]))
     print(row("after (in sample)", res["memory_after_in_sample"]))

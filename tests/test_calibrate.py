@@ -84,6 +84,18 @@ def test_cli_calibrate_writes_a_file_the_planner_uses(tmp_path, capsys):
                       "--no-write", "--json"]) == 0
 
 
+def test_cli_calibrate_says_when_there_are_too_few_trials_to_check(tmp_path, capsys):
+    storage, _, _ = _study(tmp_path, n_plans=3)
+    assert plan_main(["calibrate", "--storage", storage, "--out", str(tmp_path / "c.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert "no leave-one-out check with 3 trials: it needs 4" in printed and "nan" not in printed
+    (tmp_path / "more").mkdir()
+    storage, _, _ = _study(tmp_path / "more", n_plans=5)
+    assert plan_main(["calibrate", "--storage", storage, "--out", str(tmp_path / "d.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert "after (leave-one-out)" in printed and "no leave-one-out" not in printed
+
+
 def test_oversubscribed_cpu_host_slows_compute():
     model, wl = load_model("llama3-debug"), Workload(seq_len=256, global_batch=32, dtype="fp32")
     hw = dataclasses.replace(load_hardware("cpu"), gpus_per_node=4)
