@@ -471,7 +471,9 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
         raise ValueError(err)
     stage_cls = _stage_class(backward_context, sync_every_microbatch=grad_sync == "every_microbatch")
     cls = schedule_class(plan.schedule)
-    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and plan.fsdp_size > 1:
+        # (with dp_shard * cp = 1 FSDP only replicates, dp_replicate: the parameters are never sharded, and
+        # torch refuses reshard_after_forward on a replicate-only mesh with a bare AssertionError)
         _keep_fsdp_params_unsharded(stages, plan.schedule)
         _allow_retained_compiled_backward()
     device = torch.device(device)

@@ -30,19 +30,21 @@ from tests.distributed.harness import (in_fresh_process, assert_backends_agree, 
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
-LAYOUTS = {"pp2xdp2": {"dp_shard": 2}, "pp2xtp2": {"tp": 2}, "pp2xcp2": {"cp": 2}}
-# every schedule on PP x DP and PP x TP; PP x CP (ring attention inside the stages) on one plain and one V schedule
+LAYOUTS = {"pp2xdp2": {"dp_shard": 2}, "pp2xtp2": {"tp": 2}, "pp2xcp2": {"cp": 2}, "pp2xrep2": {"dp_replicate": 2}}
+# every schedule on PP x DP and PP x TP; PP x CP (ring attention inside the stages) on one plain and one V schedule;
+# the V schedules on PP x replicate-only DP (FSDP with nothing to shard: a plan the search proposes, which
+# crashed before 2026-12-04)
 CASES = [(layout, schedule) for layout in ("pp2xdp2", "pp2xtp2") for schedule in SCHEDULES] + \
-    [("pp2xcp2", "1F1B"), ("pp2xcp2", "ZBVZeroBubble")]
+    [("pp2xcp2", "1F1B"), ("pp2xcp2", "ZBVZeroBubble"), ("pp2xrep2", "DualPipeV"), ("pp2xrep2", "ZBVZeroBubble")]
 # one case per layout stays out of `slow` (a run takes ~35 s with the 4 ranks on 2 busy cores; the rest are slow)
-FAST = {("pp2xtp2", "1F1B"), ("pp2xdp2", "Interleaved1F1B")}
+FAST = {("pp2xtp2", "1F1B"), ("pp2xdp2", "Interleaved1F1B"), ("pp2xrep2", "DualPipeV")}
 
 
 def _plan(layout: str, schedule: str, backend: str) -> Plan:
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     n_mb = 4 if schedule == "DualPipeV" else 2          # DualPipeV needs >= 2 * pp micro-batches
     # a global batch of 4 (the cached single-process reference) where the micro-batch count allows
-    mb = 2 if "dp_shard" not in LAYOUTS[layout] and n_mb == 2 else 1
+    mb = 2 if not {"dp_shard", "dp_replicate"} & set(LAYOUTS[layout]) and n_mb == 2 else 1
     return Plan(pp=2, schedule=schedule, stages_per_rank=v, n_microbatches=n_mb, microbatch=mb, backend=backend,
                 **LAYOUTS[layout])
 
