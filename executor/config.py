@@ -38,7 +38,7 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
-from search_spaces.constraints import TIED, Target, check_plan
+from search_spaces.constraints import TIED, Target, check_plan, replicate_split_backward_error
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
@@ -395,6 +395,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"workload key 'seq_len' ({wl.seq_len}) is more than model '{spec.name}' allows "
                           f"(max_seq_len {spec.max_seq_len})")
     _check_workload_runs(wl, plan)
+    err = replicate_split_backward_error(plan, plan.backend)
+    if err:
+        raise ConfigError(err)
     if cfg.train.warmup > cfg.train.steps:
         pass  # allowed: the run stays in warmup
     if plan.pp > 1 and not _module_exists("executor.parallel.pipeline"):

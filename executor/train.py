@@ -35,11 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from cost_models.flops import flops_per_token
+from search_spaces.constraints import replicate_split_backward_error
 
 from . import faults
 from .checkpoint import Checkpointer
 from .comm_timer import CommTimer, all_gather_flat
-from .config import RunConfig, dump_resolved
+from .config import ConfigError, RunConfig, dump_resolved
 from .cpu_memory import CpuPeakMemory, training_state_bytes
 from .data import PackedBatches, build_batches
 from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
@@ -126,6 +127,9 @@ def setup(cfg: RunConfig) -> Trainer:
     torch.manual_seed(cfg.train.seed)
     precision = resolve_precision(cfg, accelerator=device.type == "cuda")
     backend = resolve_backend(cfg.plan, meshes, announce=dist.get_rank() == 0, spec=cfg.spec)
+    err = replicate_split_backward_error(cfg.plan, backend)     # (the dtensor fallback of an older torch)
+    if err:
+        raise ConfigError(err)
 
     # 2. model: meta -> split -> parallelize -> materialize -> init (executor/parallel/parallelize.py)
     stages = build_model_parts(cfg.spec, cfg.plan, meshes, precision=precision, backend=backend, device=device,

@@ -58,9 +58,18 @@ def _run(layout: str, schedule: str, backend: str):
 FAST_ON_BOTH = {("pp2xtp2", "1F1B")}
 
 
+# PP x replicate-only DP under the V schedules runs on spmd_types only: on the dtensor fallback its gradients do
+# not match one process (titan-run refuses it there: test_replicate_only_v_schedules_refused_on_dtensor)
+SPMD_ONLY = {"pp2xrep2"}
+
+
 def _cases(*extra):
     for layout, schedule in CASES:
+        if layout in SPMD_ONLY and extra != ("spmd_types", "dtensor"):
+            continue            # (no dtensor run to compare the backends with)
         for e in extra or [None]:
+            if layout in SPMD_ONLY and e == "dtensor":
+                continue
             fast = (layout, schedule) in FAST and (e == "spmd_types" or (layout, schedule) in FAST_ON_BOTH)
             args = (layout, schedule) if e is None else (layout, schedule, e)
             yield pytest.param(*args, marks=[] if fast else [pytest.mark.slow], id="-".join(a for a in args))
@@ -154,3 +163,21 @@ def test_the_pipeline_loss_check_refuses_an_undeclared_dp_reduction():
     assert msg.startswith("SpmdTypeError: pipeline loss: backward on a"), msg
     assert "dp_shard" in msg and "src=V, dst=P" in msg, msg
 
+
+
+def test_replicate_only_v_schedules_refused_on_dtensor():
+    """The dtensor fallback's split backward with replicate-only data parallelism drifts from one process (the
+    loss 1.2% off by the fifth step, measured 2026-12-04; spmd_types matches within 1e-7): refused in one line,
+    before any process group, and on the spmd_types backend let through."""
+    from executor.config import ConfigError, load_run_config
+    from search_spaces.constraints import replicate_split_backward_error
+    for sched in ("DualPipeV", "ZBVZeroBubble"):
+        plan = _plan("pp2xrep2", sched, "dtensor")
+        msg = replicate_split_backward_error(plan, "dtensor")
+        assert msg and "runs on backend spmd_types only" in msg and "\n" not in msg
+        assert replicate_split_backward_error(plan, "spmd_types") is None
+        with pytest.raises(ConfigError, match="runs on backend spmd_types only"):
+            load_run_config(None, [f"plan.{k}={v}" for k, v in plan.to_dict().items()] + ["workload.seq_len=64"],
+                            world_size=4)
+    assert replicate_split_backward_error(_plan("pp2xdp2", "DualPipeV", "dtensor"), "dtensor") is None
+    assert replicate_split_backward_error(_plan("pp2xrep2", "1F1B", "dtensor"), "dtensor") is None
