@@ -128,9 +128,10 @@ def _build_stage(model: nn.Module, layer_keys: list[str], keep: set[str], first:
 
 
 def microbatch_error(plan: Plan) -> str | None:
-    """Why torch's schedule would reject the plan's micro-batch count, or None: the runtime rules of
-    ``search_spaces/constraints.py`` (written there once; a default ``Plan`` already satisfies them, a
-    ``Plan(..., runnable=False)`` may not)."""
+    """Why the pipeline runtime would reject the plan, or None: the runtime rules of
+    ``search_spaces/constraints.py`` -- the micro-batch counts torch's schedules accept and, since the split
+    backward recomputes a checkpointed block per pass, no selective checkpointing under the V schedules
+    (written there once; a default ``Plan`` already satisfies them, a ``Plan(..., runnable=False)`` may not)."""
     for rule in RUNTIME_RULES:
         if not rule.ok(plan, None):
             return rule.plan_message(plan)
