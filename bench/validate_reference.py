@@ -112,6 +112,9 @@ framework):
   counts), e.g. a training-average throughput under a schedule the plan stands in for.
 * a row's `parallel:` may state `recompute_modules` (Megatron-core's names), `moment_dtype` and `float8_cache`
   (Workload keys): DeepSeek-V3's report states its recomputed modules, bf16 AdamW moments and fp8 caching.
+* a row's `parallel.pp_partition` states how its layers were cut into pipeline stages: text starting with
+  `type:transformer|embed` (DeepSpeed's partition method) or `weighted` gives Workload.pp_split weighted (the
+  embedding and the head count as layers), `layers` the layers-only split; unstated, the regime's.
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).
@@ -333,8 +336,8 @@ def build_case(row) -> Case:
         schedule, v = "Interleaved1F1B", int(vpp)
     elif pp > 1 and source == "llama3-meta":
         # the paper's interleaved schedule: its first chunk holds only the embedding once one layer is
-        # removed, so a chunk is one layer: V = (L + 2) / PP, more than the L // PP a plan can split
-        schedule, v = "Interleaved1F1B", max(1, model.n_layers // pp)
+        # removed from the first and the last stage (the weighted split), so a chunk is one unit: V = (L + 2) / PP
+        schedule, v = "Interleaved1F1B", max(1, (model.n_layers + 2) // pp)
     elif pp > 1 and str(par.get("schedule", "")).startswith("DualPipe"):
         # DualPipe (pp ranks, rank r holding stages r and pp-1-r for the two directions) as DualPipeV, its cut-in-
         # half form over the same ranks: about the same activations per device (DualPipe PP + 1 micro-batches of
@@ -374,6 +377,13 @@ def build_case(row) -> Case:
         kw["sequence_parallel"] = bool(par["sequence_parallel"])
     if modules:
         kw.update(selective_ac="modules", recompute_modules=modules)
+    # how the source cut the layers into stages: the embedding and the head counted as layers (DeepSpeed's
+    # type:transformer|embedding; a paper's "one layer fewer on the first and the last stage")
+    split = str(par.get("pp_partition", "")).lower()
+    if split.startswith(("type:transformer|embed", "weighted")):
+        kw["pp_split"] = "weighted"
+    elif split.startswith("layers"):
+        kw["pp_split"] = "layers"
     if fp16_ds:                 # 16-bit gradients accumulated by autograd
         kw.update(grad_dtype="bf16", grad_accum="autograd")
     for key in ("moment_dtype", "float8_cache"):   # stated precisions of what is stored (optimizer, activations)

@@ -363,7 +363,7 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
         mult = model.top_k if m.expert else 1.0
         out_width = out_width + mult * m.n / (tp if m.shard == COL else (1.0 if m.shard == ROW else 1.0))
     zbv = table.is_schedule("ZBVZeroBubble") & piped
-    deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model) * e * out_width * tokens, 0.0)
+    deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model, workload.pp_weighted) * e * out_width * tokens, 0.0)
     # torch's PipelineStage as TorchTitan runs it; titan-run and Megatron receive per micro-batch
     recv = np.where(piped & torch_pp & workload.pp_recv_persistent, table.n_microbatches * resid, 0.0)
     return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w, "recv": recv}

@@ -61,14 +61,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "overlap (userbuffers) on"),
     Framework("megatron-deepspeed", "Megatron-DeepSpeed of 2022 (BLOOM) with DeepSpeed's BF16 optimizer",
               {**_MEGATRON, "attention_impl": "materialized", "dropout": True, "sequence_parallel": False,
-               "grad_accum": "hp_copy", "dp_comm_overlap": "none"},
-              why="fused softmax and dropout, no sequence parallelism; the BF16 optimizer copies each micro-"
+               "grad_accum": "hp_copy", "dp_comm_overlap": "none", "pp_split": "weighted"},
+              why="fused softmax and dropout, no sequence parallelism; the pipeline cut by --pp-partition-method "
+                  "'type:transformer|embedding' (tr11-176B-ml.slurm: the embeddings count as layers, the weighted "
+                  "split); the BF16 optimizer copies each micro-"
                   "batch's gradients into fp32 (update_hp_grads); the pipeline engine's ReduceGrads runs after "
                   "the last backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
     Framework("llama3-meta", "Meta's Llama 3 training stack (arXiv:2407.21783 Sec. 3.3.2: FSDP x TP x PP x CP)",
               {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused_ffn", "gqa_kv": "native",
-               "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch"},
+               "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch",
+               "pp_split": "weighted"},
               why="its TP is Korthikanti et al.'s sequence parallelism (cited), which keeps the sequence shard; "
+                  "'we balance the pipeline by reducing one Transformer layer each from the first and the last "
+                  "stages' (the weighted split); "
                   "'we proactively deallocate ... the input and output tensors of each pipeline stage'; 'our use "
                   "of FSDP ... shards optimizer states and gradients' (each micro-batch's, under the pipeline); "
                   "kernels inferred, not stated: the 8K stage ran without activation checkpointing on 80 GB "

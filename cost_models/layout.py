@@ -29,24 +29,48 @@ RANKS = ("first", "last", "busiest")
 
 
 # --------------------------------------------------------------------------- the split (scalar)
-def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
-    """Layers of each pipeline stage, in stage order: as even as possible, the earlier stages larger."""
-    if n_stages > n_layers:
+def stage_layer_counts(n_layers: int, n_stages: int, weighted: bool = False) -> list[int]:
+    """Layers of each pipeline stage, in stage order.
+
+    ``weighted`` False (workload ``pp_split: layers``): the layers as even as possible, the earlier
+    stages larger.  True (``pp_split: weighted``): the embedding and the LM head count as one layer each
+    (DeepSpeed's ``partition_method: type:transformer|embedding`` as BLOOM ran it, Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split``, TorchTitan's
+    ``input_weight`` / ``output_weight``; the Llama 3 paper, arXiv:2407.21783 Sec. 3.3.2, removes a layer
+    from the first and the last stage): ``n_layers + 2`` units as even as possible, the earlier stages
+    larger, stage 0's first unit the embedding and the last stage's last unit the head -- so the end stages
+    hold a layer fewer, and one may hold none."""
+    w = 1 if weighted and n_stages > 1 else 0
+    units = n_layers + 2 * w
+    if n_stages > units:
+        extra = " (+2 units: the weighted split counts the embedding and the head)" if w else ""
         raise ValueError(f"pipeline needs at least one layer per stage: pp*stages_per_rank = {n_stages} "
-                         f"stages but the model has {n_layers} layers (plan keys 'pp', 'stages_per_rank')")
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+                         f"stages but the model has {n_layers} layers{extra} (plan keys 'pp', 'stages_per_rank')")
+    base, extra = divmod(units, n_stages)
+    counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    if w:
+        counts[0] -= 1
+        counts[-1] -= 1
+    return counts
 
 
 # --------------------------------------------------------------------------- per rank (vectorized)
-def _split(table, n_layers: int):
+def _split(table, n_layers: int, weighted: bool = False):
+    """(stages, base units per stage, stages with one more, units offset w): ``n_layers + 2 w`` units over
+    the stages, w = 1 under the weighted split with more than one stage."""
     s = (table.pp * table.stages_per_rank).astype(np.int64)
-    return s, n_layers // s, n_layers % s
+    w = (s > 1).astype(np.int64) if weighted else np.zeros_like(s)
+    units = n_layers + 2 * w
+    return s, units // s, units % s, w
 
 
-def _stage_start(s, base, extra, stage):
-    """First layer id of `stage`."""
-    return stage * base + np.minimum(stage, extra)
+def _stage_span(s, base, extra, w, stage):
+    """(first layer id, layer count) of `stage` (arrays): its units less the embedding's (stage 0) and the
+    head's (the last stage) under the weighted split."""
+    ustart = stage * base + np.minimum(stage, extra)
+    n = base + (stage < extra) - w * (stage == 0) - w * (stage == s - 1)
+    lo = ustart - w * (stage > 0)
+    return lo, np.maximum(n, 0)
 
 
 def rank_stages(table, rank) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -61,27 +85,41 @@ def rank_stages(table, rank) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def rank_layers(table, n_layers: int, rank, below: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def rank_layers(table, n_layers: int, rank, below: int = 0, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(layers on pipeline rank `rank`, how many of them have a layer id < `below`)."""
-    s, base, extra = _split(table, n_layers)
+    s, base, extra, w = _split(table, n_layers, weighted)
     total = np.zeros(len(table), dtype=np.int64)
     first = np.zeros(len(table), dtype=np.int64)
     for stage, held in rank_stages(table, rank):
-        lo = _stage_start(s, base, extra, stage)
-        n = base + (stage < extra)
+        lo, n = _stage_span(s, base, extra, w, stage)
         total += np.where(held, n, 0)
         first += np.where(held, np.clip(below - lo, 0, n), 0)
     return total, first
 
 
-def busiest_rank_layers(table, n_layers: int) -> np.ndarray:
-    """Layers on the most loaded pipeline rank: ``v * base + ceil(extra / pp)`` under every placement
-    (the loop and the V placements both spread the extra layers of the first stages over the ranks)."""
-    s, base, extra = _split(table, n_layers)
-    return table.stages_per_rank * base + -(-extra // table.pp)
+def _candidate_ranks(table, n_layers: int, weighted: bool) -> list[np.ndarray]:
+    """Ranks among which the most loaded one lies.  A stage's units fall with its id (the earlier stages
+    take the extra ones); only the end stages lose a layer (weighted split): under the loop placement the
+    most layers are on rank 0 or 1; under V, rank r holds stages r and 2 pp - 1 - r, both with an extra unit
+    from r = 2 pp - extra on (extra > pp), else rank 1 has the most after rank 0."""
+    pp = table.pp.astype(np.int64)
+    s, base, extra, w = _split(table, n_layers, weighted)
+    top = np.maximum(pp - 1, 0)
+    return [np.zeros_like(pp), np.minimum(1, top), top, np.clip(2 * pp - extra, 0, top)]
 
 
-def rank_index(table, model, which: str) -> np.ndarray:
+def busiest_rank_layers(table, n_layers: int, weighted: bool = False) -> np.ndarray:
+    """Layers on the most loaded pipeline rank: ``v * base + ceil(extra / pp)`` under every placement of the
+    layers-only split (the loop and the V placements both spread the extra layers of the first stages over
+    the ranks); the weighted split's end stages hold a layer fewer, so the ranks are compared."""
+    if not weighted:
+        s, base, extra, _ = _split(table, n_layers)
+        return table.stages_per_rank * base + -(-extra // table.pp)
+    return np.maximum.reduce([rank_layers(table, n_layers, r, weighted=True)[0]
+                              for r in _candidate_ranks(table, n_layers, True)])
+
+
+def rank_index(table, model, which: str, weighted: bool = False) -> np.ndarray:
     """The pipeline rank `which` ('first', 'last' or 'busiest') of every candidate."""
     pp = table.pp.astype(np.int64)
     if which == "first":
@@ -91,14 +129,16 @@ def rank_index(table, model, which: str) -> np.ndarray:
     assert which == "busiest", which
     # the first rank whose first stage holds no dense block: it, or the last rank, has the most MoE
     # blocks (stage sizes fall with the stage id; under V the second stage's grow with the rank)
-    s, base, extra = _split(table, model.n_layers)
+    s, base, extra, w = _split(table, model.n_layers, weighted)
     nd = model.n_layers - model.n_moe_layers
-    big = extra * (base + 1)                          # layers in the larger stages
-    s_moe = np.where(nd <= big, -(-nd // (base + 1)), extra + -(-(nd - big) // np.maximum(base, 1)))
-    cands = [np.zeros_like(pp), np.minimum(s_moe, pp - 1), pp - 1]
+    big = extra * (base + 1)                          # units in the larger stages
+    u = nd + w                                        # the unit of the first MoE block
+    s_moe = np.where(u <= big, -(-u // (base + 1)), extra + -(-(u - big) // np.maximum(base, 1)))
+    first, second, last, v_pair = _candidate_ranks(table, model.n_layers, weighted)
+    cands = [first, np.minimum(s_moe, pp - 1), last, second, v_pair]
     best, key = cands[0], None
     for r in cands:
-        tot, dense = rank_layers(table, model.n_layers, r, nd)
+        tot, dense = rank_layers(table, model.n_layers, r, nd, weighted)
         k = (tot - dense) * (model.n_layers + 1) + tot      # most MoE blocks, then most blocks
         if key is None:
             key = k
@@ -107,23 +147,24 @@ def rank_index(table, model, which: str) -> np.ndarray:
     return best
 
 
-def layer_mix(table, model, first: bool = False, *, which: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def layer_mix(table, model, first: bool = False, *, which: str | None = None,
+              weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(dense, moe) block counts on the first pipeline rank (`first`) or on the busiest one, or on
-    the rank named by `which` ('first', 'last', 'busiest')."""
+    the rank named by `which` ('first', 'last', 'busiest'); `weighted`: workload ``pp_split: weighted``."""
     which = which or ("first" if first else "busiest")
     nd = model.n_layers - model.n_moe_layers
-    tot, dense = rank_layers(table, model.n_layers, rank_index(table, model, which), nd)
+    tot, dense = rank_layers(table, model.n_layers, rank_index(table, model, which, weighted), nd, weighted)
     return dense, tot - dense
 
 
-def layers_per_rank(table, model) -> np.ndarray:
+def layers_per_rank(table, model, weighted: bool = False) -> np.ndarray:
     """The layers of the most loaded pipeline rank."""
-    return busiest_rank_layers(table, model.n_layers)
+    return busiest_rank_layers(table, model.n_layers, weighted)
 
 
-def holds_ends(table, model, which: str) -> tuple[np.ndarray, np.ndarray]:
+def holds_ends(table, model, which: str, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(holds the embedding, holds the final norm and LM head): the ranks of stage 0 and stage S-1."""
-    r = rank_index(table, model, which)
+    r = rank_index(table, model, which, weighted)
     last_stage = table.pp * table.stages_per_rank - 1
     emb = np.zeros(len(table), bool)
     head = np.zeros(len(table), bool)
@@ -196,9 +237,10 @@ def v_schedule(table) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- parameters per rank
-def rank_params(table, model) -> dict[str, np.ndarray]:
+def rank_params(table, model, weighted: bool = False) -> dict[str, np.ndarray]:
     """Local (TP/EP-sharded, not yet FSDP-sharded) parameter counts of the first, last and busiest
     pipeline ranks (keys ``{rank}_dense``, ``{rank}_expert``, ``{rank}_unit``: the largest FSDP unit,
+    ``{rank}_tensor``: the largest parameter tensor,
     ``{rank}_has_head``, ``{rank}_has_emb``), and of one block (``dense_block``, ``moe_dense_block``,
     ``moe_expert_block``)."""
     pc = param_counts(model)
@@ -219,10 +261,20 @@ def rank_params(table, model) -> dict[str, np.ndarray]:
     else:
         moe_dense = moe_expert = 0.0 * tp
     emb, head = pc["embedding"] / tp, (pc["lm_head"] / tp) + pc["final_norm"]
+
+    def largest(mms, moe_local=1.0):
+        big = 0.0 * tp
+        for m in mms:
+            per = m.params / (1.0 if m.shard == NONE else tp)
+            big = np.maximum(big, per / model.n_experts if m.expert else per)   # one expert's weight
+        return big
+
+    dense_tensor = largest(layer_matmuls(model, False))
+    moe_tensor = largest(layer_matmuls(model, True)) if model.is_moe else 0.0 * tp
     out = {}
     for which in RANKS:
-        nd, nm = layer_mix(table, model, which=which)
-        has_emb, has_head = holds_ends(table, model, which)
+        nd, nm = layer_mix(table, model, which=which, weighted=weighted)
+        has_emb, has_head = holds_ends(table, model, which, weighted)
         if model.tie_embeddings:
             # a tied LM head on another rank than the embedding is a second copy of the weight, with its
             # own gradient and optimizer state (Megatron-LM's word embeddings on the last stage,
@@ -234,6 +286,10 @@ def rank_params(table, model) -> dict[str, np.ndarray]:
         out[f"{which}_expert"] = nm * moe_expert
         out[f"{which}_unit"] = np.maximum.reduce([dense_block * (nd > 0), moe_dense + moe_expert * (nm > 0),
                                                   np.where(has_emb, emb, 0.0), np.where(has_head, head, 0.0)])
+        # the largest single parameter tensor of the rank (a per-tensor temporary is this big at most)
+        out[f"{which}_tensor"] = np.maximum.reduce([dense_tensor * (nd > 0), moe_tensor * (nm > 0),
+                                                    np.where(has_emb, emb, 0.0),
+                                                    np.where(has_head, head - pc["final_norm"], 0.0)])
         out[f"{which}_has_head"] = has_head
         out[f"{which}_has_emb"] = has_emb
         out[f"{which}_layers"] = (nd, nm)

@@ -91,7 +91,8 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     n = len(table)
     caching_allocator, frag, nccl = _allocator_terms(table, coeffs, caching_allocator, hw)
     shared = _shared_activation_terms(table, model, workload, coeffs)
-    rp = rank_params(table, model)
+    rp = rank_params(table, model, workload.pp_weighted)
+    shared["weighted"] = workload.pp_weighted
     results = {}
     for which in RANKS:
         if workload.state_layout == "fsdp2":
@@ -232,7 +233,11 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
     The same path reduces the gradients through DeepSpeed's contiguous bucket: with a pipeline, ZeRO-1's
     ``reduce_gradients(pipeline_parallel=True)`` allocates ``ipg_buffer``, ``reduce_bucket_size`` 16-bit
     elements (DeepSpeed's default 5e8, zero/constants.py; BLOOM's config sets none), at every ReduceGrads,
-    after the activations are freed: counted with the gradients."""
+    after the activations are freed: counted with the gradients.
+    Under ``hp_copy`` the accumulation itself, ``hp_grad.add_(lp.grad.to(fp32))`` per parameter after every
+    micro-batch's backward (bf16_optimizer.py ``update_hp_grads``), makes an fp32 temporary of each gradient in
+    turn while the other micro-batches' activations are alive: the largest tensor's (a vocabulary shard of
+    the embedding on the end stages) is a segment of its own in the caching allocator's pool."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
     local = dense_p + expert_p
@@ -245,6 +250,8 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
     grads = workload.grad_elem_bytes * (sh if z >= 2 else local)
     if workload.grad_accum_mode == "hp_copy":              # the BF16 optimizer's low-precision .grad, kept
         grads = grads + e * local
+        if caching_allocator:    # update_hp_grads' fp32 copy of one .grad at a time, the largest tensor's
+            grads = grads + 4.0 * rp[f"{which}_tensor"]
     moments = 2.0 * workload.moment_elem_bytes               # exp_avg, exp_avg_sq (moment_dtype)
     optimizer = (moments + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
     if caching_allocator and master > 0 and workload.grad_elem_bytes < 4.0 and workload.grad_accum_mode == "autograd":
@@ -259,7 +266,7 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
                       fsdp, fsdp_at_turn) -> tuple[np.ndarray, np.ndarray]:
     """(activations, logits) of rank `which`: its in-flight micro-batches' blocks, the pipeline
     buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
-    rank = rank_index(table, model, which)
+    rank = rank_index(table, model, which, shared["weighted"])
     infl = in_flight_on_rank(table, rank)
     pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
     # the embedding's backward on the rank holding it: under dtensor TP its replicated weight gradient

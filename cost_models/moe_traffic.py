@@ -167,7 +167,7 @@ def ep_all_to_all_bytes(table, model, workload, coeffs) -> np.ndarray:
     # one all-to-all of one block, averaged over dispatch/combine (see above): own tokens out in
     # dispatch, ep_imbalance x as many back in combine
     one = tokens / sp * model.top_k * model.dim * elt * (1.0 + coeffs.ep_imbalance) / 2.0
-    _, n_moe = layer_mix(table, model, first=False)
+    _, n_moe = layer_mix(table, model, first=False, weighted=workload.pp_weighted)
     passes = 4.0 + 2.0 * table.is_ac("full")          # dispatch + combine: forward, backward, recompute
     return np.where(table.ep > 1, n_moe * table.n_microbatches * passes * one, 0.0)
 

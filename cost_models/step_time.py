@@ -4,8 +4,9 @@ Keys (seconds per step): compute, tp_comm, cp_comm, ep_comm, dp_comm (exposed gr
 parameter synchronisation: data parallel, and a tied embedding across pipeline stages),
 pp_p2p, pp_bubble, other.  They sum to the step time.
 
-The critical path is the busiest pipeline rank (the most layers, the most MoE blocks,
-and the LM head).  Per micro-batch it runs forward F, input-gradient backward B and
+The critical path is the pipeline rank with the most work per micro-batch: the busiest by blocks
+(the most MoE blocks, then the most layers) or the one holding the LM head and loss, whichever takes
+longer (`stage_times`).  Per micro-batch it runs forward F, input-gradient backward B and
 weight-gradient backward W of its blocks; a step is ``n_microbatches * (F + B + W)``
 plus the pipeline bubble, the exposed data-parallel collectives, the point-to-point
 pipeline transfers and the optimizer.  Each block (and the LM head) takes the larger, smoothly,
@@ -22,7 +23,7 @@ from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels
                       gemm_time, head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import ROW, attention_dims, layer_matmuls
-from .layout import layer_mix
+from .layout import holds_ends, layer_mix
 from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
@@ -33,40 +34,67 @@ FLASH_BWD = 2.5
 
 
 def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
-    """Per micro-batch times of the busiest rank: dict of F/B/W compute and exposed comm arrays."""
+    """Per micro-batch times of the critical pipeline rank: dict of F/B/W compute and exposed comm arrays.
+
+    The critical rank is the one whose own work per micro-batch is the largest: its blocks plus the LM
+    head and loss where it holds them (`layout.holds_ends`).  With the layers split evenly and the
+    earlier stages larger, the last stage often holds a block fewer than the busiest one, and its head
+    can make it the slowest or not; charging the busiest rank's blocks AND the head counts a block the
+    pipeline never runs on one rank (BLOOM-176B: 70 layers over 12 stages, 6 on stage 0, 5 and the head
+    on stage 11).  Ranks compared: the busiest by blocks (`layout.rank_index`), and the ones holding the
+    head (the last; the first under the V placement).  ``head_F``/``head_B``/``head_W`` are the head's
+    times on the chosen rank (zero where it holds none): the bubble leaves them out."""
     n = len(table)
     tp = table.tp.astype(np.float64)
     cp = table.cp.astype(np.float64)
     tokens = table.microbatch * float(workload.seq_len) / cp
     attn = attention_core_times(model, workload, r, tokens, tp, cp)
     ac_full = table.is_ac("full")
-    out = {k: np.zeros(n) for k in ("F", "B", "W", "tp_f", "tp_b", "cp_f", "cp_b", "ep_f", "ep_b",
-                                     "blockF", "blockBW")}
+    keys = ("F", "B", "W", "tp_f", "tp_b", "cp_f", "cp_b", "ep_f", "ep_b")
     tp_coll = _tp_collectives(table, model, workload, links["tp"], r, tokens, tp)
     cp_f, cp_b = _cp_ring_times(model, coeffs, links["cp"], r, tokens, tp, cp, *attn)
-    nd, nm = layer_mix(table, model, first=False)
-    for moe, count in ((False, nd), (True, nm)):
+    per_block = {}
+    for moe in (False, True):
         if moe and not model.is_moe:
             continue
         blk = _block_times(table, model, workload, coeffs, r, moe, tokens, tp, attn, tp_coll)
+        one = {"F": blk["f"], "B": blk["b"], "W": blk["w"], "tp_f": blk["tpf"], "tp_b": blk["tpb"],
+               "cp_f": cp_f, "cp_b": np.where(ac_full, cp_f, 0.0) + cp_b}
         if moe:
-            exp_f, exp_b = _ep_exposed(table, model, hw, coeffs, links["ep"], r, tokens, tp, blk["gpu_f"],
-                                       blk["gpu_b"], workload)
-            out["ep_f"] += count * exp_f
-            out["ep_b"] += count * exp_b
-        out["F"] += count * blk["f"]
-        out["B"] += count * blk["b"]
-        out["W"] += count * blk["w"]
-        out["tp_f"] += count * blk["tpf"]
-        out["tp_b"] += count * blk["tpb"]
-        out["cp_f"] += count * cp_f
-        out["cp_b"] += count * np.where(ac_full, cp_f, 0.0) + count * cp_b
-        frac = count / np.maximum(nd + nm, 1)
-        out["blockF"] += frac * blk["f"]
-        out["blockBW"] += frac * (blk["b"] + blk["w"])
-    for k, v in head_times(model, workload, r, tokens, tp).items():
-        out[k] = out[k] + v if k in out else v
-    return out
+            one["ep_f"], one["ep_b"] = _ep_exposed(table, model, hw, coeffs, links["ep"], r, tokens, tp,
+                                                   blk["gpu_f"], blk["gpu_b"], workload)
+        per_block[moe] = one
+    head = head_times(model, workload, r, tokens, tp)
+
+    def rank_work(which):
+        nd, nm = layer_mix(table, model, which=which, weighted=workload.pp_weighted)
+        _, has_head = holds_ends(table, model, which, workload.pp_weighted)
+        out = {k: np.zeros(n) for k in keys}
+        for moe, count in ((False, nd), (True, nm)):
+            for k, v in per_block.get(moe, {}).items():
+                out[k] = out[k] + count * v
+        hh = has_head.astype(np.float64)
+        for k in ("F", "B", "W"):
+            out[k] = out[k] + hh * head[k]
+            out[f"head_{k}"] = hh * head[k]
+        out["head_BW"] = out["head_B"] + out["head_W"]
+        # average block of the rank (FSDP's per-block overlap window)
+        nb = np.maximum(nd + nm, 1)
+        out["blockF"] = sum(count / nb * per_block[moe]["F"] for moe, count in ((False, nd), (True, nm))
+                            if moe in per_block)
+        out["blockBW"] = sum(count / nb * (per_block[moe]["B"] + per_block[moe]["W"])
+                             for moe, count in ((False, nd), (True, nm)) if moe in per_block)
+        total = sum(out[k] for k in keys)
+        return out, total
+
+    best, best_total = rank_work("busiest")
+    for which in ("last", "first"):
+        cand, total = rank_work(which)
+        pick = total > best_total
+        if pick.any():
+            best = {k: np.where(pick, cand[k], v) for k, v in best.items()}
+            best_total = np.maximum(total, best_total)
+    return best
 
 
 # A block's four TP collectives under sequence parallelism (Korthikanti Sec. 4.2.2), each on the side of
@@ -328,7 +356,7 @@ def attention_core_times(model, workload, r: Rates, tokens, tp, cp):
 
 
 def head_times(model, workload, r: Rates, tokens, tp) -> dict:
-    """LM head + loss on the last stage (always on the critical rank): the head GEMM on this rank's
+    """LM head + loss on the last stage (the rank holding it may pace the pipeline): the head GEMM on this rank's
     vocabulary shard (vocab // tp rows), the fp32 cross-entropy traffic, and the host launches of
     the embedding, final norm, head and loss kernels (`head_kernels`), forward and backward."""
     vshard = np.floor(model.vocab_size / tp)
@@ -423,7 +451,7 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
-    facts = _broadcast(layout_facts(sub, model), inverse)
+    facts = _broadcast(layout_facts(sub, model, workload.pp_weighted), inverse)
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way

@@ -112,6 +112,15 @@ class Workload:
     micro-batch's gradients into the shard, as without a pipeline: the Llama 3 paper, Sec. 3.3.2, "our use
     of FSDP ... shards optimizer states and gradients"; fsdp2 layout only).
 
+    ``pp_split`` is how the layers are cut into pipeline stages (`cost_models.layout.stage_layer_counts`,
+    the one split of the cost model and the executor): ``layers`` (the layers as even as possible, the
+    earlier stages larger: titan-run's default, Megatron-LM's) or ``weighted`` (the embedding and the LM
+    head count as one layer each, so the end stages hold a layer fewer: DeepSpeed's ``partition_method:
+    type:transformer|embedding``, BLOOM's runs; Megatron-LM's ``--account-for-embedding-in-pipeline-split
+    --account-for-loss-in-pipeline-split``; TorchTitan's ``input_weight`` / ``output_weight``; the Llama 3
+    paper, arXiv:2407.21783 Sec. 3.3.2, "reducing one Transformer layer each from the first and the last
+    stages").
+
     ``tp_comm_overlap`` and ``dp_comm_overlap`` say whether a run hides its tensor-parallel and its
     data-parallel collectives under compute, as a framework's switches do: ``none`` (on the critical path:
     plain TP, titan-run and TorchTitan without async TP; Megatron with ``overlap_grad_reduce`` /
@@ -203,6 +212,7 @@ class Workload:
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
     pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
     pp_grad_sync: Literal["last_microbatch", "every_microbatch"] = "last_microbatch"   # pipeline: DP grad sync
+    pp_split: Literal["layers", "weighted"] = "layers"        # pipeline: how layers are cut into stages
     tp_comm_overlap: Literal["auto", "none", "full", "async"] = "auto"   # TP collectives under their matmuls
     dp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # DP/FSDP collectives under compute
 
@@ -264,6 +274,11 @@ class Workload:
         False when a micro-batch's buffer lives from its receive to its last use (titan-run, Megatron's
         fresh tensors per micro-batch): ``auto`` is per_microbatch."""
         return self.pp_recv_buffers == "persistent"
+
+    @property
+    def pp_weighted(self) -> bool:
+        """True when the pipeline split counts the embedding and the LM head as layers (``pp_split``)."""
+        return self.pp_split == "weighted"
 
     @property
     def pp_defers_grad_sync(self) -> bool:

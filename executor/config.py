@@ -376,7 +376,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     except PlanError as e:
         raise ConfigError(str(e)) from None
     target = Target.of(spec, world_size=world_size, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                       gpus_per_node=max(world_size, 1))
+                       gpus_per_node=max(world_size, 1), pp_weighted=cfg.workload.pp_weighted)
     if plan.ep > 1 and not spec.is_moe:
         raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
                           "expert parallelism needs a mixture-of-experts model (set ep: 1)")

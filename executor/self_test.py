@@ -129,7 +129,7 @@ def check_shards(cfg, meshes) -> tuple[bool, str]:
                          if getattr(b, "moe_enabled", False))
     notes = []
     stages = build_model_parts(cfg.spec, plan, meshes, precision=Precision(torch.float32, torch.float32),
-                               backend="dtensor")
+                               backend="dtensor", workload=cfg.workload)
     bad, n = [], 0
     layers_here = []
     for _, module in stages:

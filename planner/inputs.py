@@ -31,7 +31,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 # the workload keys whose flag is a plain --key-name VALUE (or --[no-]key-name for booleans)
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "swiglu_impl", "gqa_kv", "grad_dtype", "loss_impl",
-                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_recv_buffers", "pp_grad_sync",
+                  "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_recv_buffers", "pp_grad_sync", "pp_split",
                   "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "float8_cache")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
@@ -94,6 +94,10 @@ WORKLOAD_HELP = {
                     "pipelining, unsharded fp32 gradients accumulated) or every_microbatch (each micro-batch into "
                     "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only; titan-run runs both, every_microbatch "
                     "not on the V schedules)",
+    "pp_split": "how the layers are cut into pipeline stages: layers (default: as even as possible, the earlier "
+                "stages larger) or weighted (the embedding and the LM head count as one layer each, so the end "
+                "stages hold one fewer: DeepSpeed's type:transformer|embedding, Megatron's account-for-embedding/"
+                "loss, the Llama 3 paper; titan-run runs both)",
     "tp_comm_overlap": "TP collectives: auto (default: the framework's or calibration's tp_overlap; titan-run: "
                        "none; the megatron layout on H100/H200/B200: full, as NVIDIA's recipes), none (on the "
                        "critical path: plain TP), full (each collective under the matmul that reads or writes its "

@@ -85,7 +85,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
                          global_batch=workload.global_batch,
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
-                         float8_supported=hw.supports_float8 and hw.device != "cpu")
+                         float8_supported=hw.supports_float8 and hw.device != "cpu",
+                         pp_weighted=workload.pp_weighted)
     en: Enumeration = enumerate_plans(space, target)
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))

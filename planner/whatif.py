@@ -163,7 +163,8 @@ def cmd_estimate(args) -> int:
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
-                         gpus_per_node=q.gpus_per_node, float8_supported=hw.supports_float8)
+                         gpus_per_node=q.gpus_per_node, float8_supported=hw.supports_float8,
+                         pp_weighted=workload.pp_weighted)
     # titan-run's own limits (the pipeline runtime's micro-batch rules, tied embeddings under tp/pp, virtual
     # stages without a layer): other frameworks run such layouts, so they are predicted, with a note
     illegal = [m for _, m in C.check_plan(plan, target, tp_within_node=False, runnable=False)]

@@ -57,17 +57,19 @@ class Target:
     global_batch: int             # sequences per step
     float8_supported: bool = True
     tie_embeddings: bool = False
+    pp_extra_units: int = 0       # 2 under workload pp_split: weighted (the embedding and the head count as layers)
 
     @classmethod
     def of(cls, model: Any, *, world_size: int, seq_len: int, global_batch: int, gpus_per_node: int,
-           float8_supported: bool = True) -> "Target":
-        """Build from any object with the `ModelSpec` attributes."""
+           float8_supported: bool = True, pp_weighted: bool = False) -> "Target":
+        """Build from any object with the `ModelSpec` attributes (`pp_weighted`: workload ``pp_split: weighted``)."""
         return cls(world_size=world_size, gpus_per_node=gpus_per_node, n_layers=model.n_layers,
                    n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden=model.ffn_hidden,
                    moe_ffn_hidden=getattr(model, "moe_ffn_hidden", 0) or 0,
                    n_experts=getattr(model, "n_experts", 0) or 0, seq_len=seq_len,
                    global_batch=global_batch, float8_supported=float8_supported,
-                   tie_embeddings=bool(getattr(model, "tie_embeddings", False)))
+                   tie_embeddings=bool(getattr(model, "tie_embeddings", False)),
+                   pp_extra_units=2 if pp_weighted else 0)
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,19 @@ TP_SHAPE = Rule(
 TP_NODE = Rule(
     R_TP_NODE, lambda p, t: p.tp <= t.gpus_per_node,
     lambda p, t: f"tp={p.tp} > {t.gpus_per_node} devices per node")
+def _units(t) -> str:
+    return " (+2 units: pp_split weighted counts the embedding and the head)" if t is not None and t.pp_extra_units else ""
+
+
 PP_RANKS = Rule(
-    R_PP_RANKS, lambda p, t: p.pp <= t.n_layers,
-    lambda p, t: f"pp = {p.pp} > {t.n_layers} layers: a pipeline rank would hold no layer")
-# titan-run's split gives every virtual stage a layer; other frameworks run more virtual stages than
-# layers (Zero Bubble's interleaved 1F1B: chunks holding only the embedding or the head)
+    R_PP_RANKS, lambda p, t: p.pp <= t.n_layers + t.pp_extra_units,
+    lambda p, t: f"pp = {p.pp} > {t.n_layers} layers{_units(t)}: a pipeline rank would hold no layer")
+# titan-run's split gives every virtual stage a layer, or under pp_split weighted a unit (a layer, the
+# embedding or the head: Zero Bubble's interleaved 1F1B and the Llama 3 paper run chunks holding only the
+# embedding or the head)
 PP_LAYERS = Rule(
-    R_PP_LAYERS, lambda p, t: p.n_stages <= t.n_layers,
-    lambda p, t: f"pp*stages_per_rank = {p.n_stages} > {t.n_layers} layers")
+    R_PP_LAYERS, lambda p, t: p.n_stages <= t.n_layers + t.pp_extra_units,
+    lambda p, t: f"pp*stages_per_rank = {p.n_stages} > {t.n_layers} layers{_units(t)}")
 SEQ = Rule(
     R_SEQ, lambda p, t: t.seq_len % p.seq_divisor == 0,
     lambda p, t: f"seq_len={t.seq_len} must be divisible by {p.seq_divisor} (cp={p.cp}, tp={p.tp})")

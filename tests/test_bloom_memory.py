@@ -102,14 +102,17 @@ def test_embedding_norm_and_dropout_mask_on_stage_0():
 
 def test_bf16_optimizer_keeps_fp32_and_bf16_gradients():
     """BF16_Optimizer (ab61edb0): fp32_groups_gradients_flat = zeros_like(flat bf16 params), not sharded, and the
-    pipe engine's update_hp_grads(clear_lp_grads=False) leaves the bf16 .grad: 6 bytes per local parameter; the
+    pipe engine's update_hp_grads(clear_lp_grads=False) leaves the bf16 .grad: 6 bytes per local parameter, plus
+    the fp32 copy update_hp_grads makes of one .grad at a time, at most the embedding's vocabulary shard; the
     master copy and the two moments are sharded over DP (12 / dp)."""
     case = _case(BF16_ROW)
-    assert case.workload.grad_accum == "hp_copy"
-    local = _stage0_params(12288, 17, 250880, 8)       # 100 layers over 6 stages: the first holds 17
+    assert case.workload.grad_accum == "hp_copy" and case.workload.pp_split == "weighted"
+    # --pp-partition-method 'type:transformer|embedding': 100 layers + 2 embeddings over 6 stages, 17 units
+    # each, so the first holds the embedding and 16 layers
+    local = _stage0_params(12288, 16, 250880, 8)
     m = _first(case)
     assert m["params"] == pytest.approx(2 * local, rel=1e-9)
-    assert m["grads"] == pytest.approx(6 * local, rel=1e-9)
+    assert m["grads"] == pytest.approx(6 * local + 4 * 250880 * 12288 / 8, rel=1e-9)
     assert m["optimizer"] == pytest.approx(12 * local / 8, rel=1e-9)
 
 

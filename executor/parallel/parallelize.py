@@ -197,14 +197,15 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
 
     Built on the meta device, split into this rank's pipeline stages, each stage parallelized
     (:func:`parallelize`; from `workload`, a ``cost_models.workload.Workload``, its ``tp_activations``:
-    ``gathered`` without one).  With `device` the parameters are then materialized there and
+    ``gathered`` without one, and its ``pp_split``: the layers-only split without one).  With `device` the parameters are then materialized there and
     initialized from `seed`, the same full values for every layout; without it they stay on
     the meta device (dry run, self-test: shapes and placements only).
     """
     with torch.device("meta"):
         model = Transformer(spec)
     init_rule = model.init_rule
-    stages = pipeline_split(model, plan, meshes.pp) if plan.pp > 1 else [(0, model)]
+    weighted = workload is not None and workload.pp_weighted
+    stages = pipeline_split(model, plan, meshes.pp, weighted) if plan.pp > 1 else [(0, model)]
     tp_activations = "gathered" if workload is None or workload.tp_keeps_gathered else "sharded"
     for _, module in stages:
         parallelize(module, plan, meshes, precision=precision, backend=backend, tp_activations=tp_activations,

@@ -82,11 +82,13 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- split
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
+def split_layers(n_layers: int, n_stages: int, weighted: bool = False) -> list[range]:
     """Contiguous layer ranges per stage, sized by `cost_models.layout.stage_layer_counts` (the one
-    split the cost model counts too): sizes differ by at most 1, the earlier stages larger."""
+    split the cost model counts too): sizes differ by at most 1, the earlier stages larger; `weighted`
+    (workload ``pp_split: weighted``) counts the embedding and the LM head as a layer each, so the first and
+    the last stage hold one fewer (and may hold only the embedding or only the norm and head)."""
     out, start = [], 0
-    for n in stage_layer_counts(n_layers, n_stages):
+    for n in stage_layer_counts(n_layers, n_stages, weighted):
         out.append(range(start, start + n))
         start += n
     return out
@@ -144,18 +146,20 @@ def _check_plan(plan: Plan) -> None:
         raise ValueError(err)
 
 
-def pipeline_split(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh) -> list[tuple[int, nn.Module]]:
-    """[(stage_idx, stage_module)] for this pipeline rank; the model is not modified."""
+def pipeline_split(model: nn.Module, plan: Plan, pp_mesh: DeviceMesh,
+                   weighted: bool = False) -> list[tuple[int, nn.Module]]:
+    """[(stage_idx, stage_module)] for this pipeline rank; the model is not modified.  `weighted`: workload
+    ``pp_split: weighted`` (:func:`split_layers`)."""
     _check_plan(plan)
     if pp_mesh.size() != plan.pp:
         raise ValueError(f"pipeline_split: pp mesh has {pp_mesh.size()} ranks but plan key 'pp' is {plan.pp}")
-    return split_for_rank(model, plan, pp_mesh.get_local_rank())
+    return split_for_rank(model, plan, pp_mesh.get_local_rank(), weighted)
 
 
-def split_for_rank(model: nn.Module, plan: Plan, pp_rank: int) -> list[tuple[int, nn.Module]]:
+def split_for_rank(model: nn.Module, plan: Plan, pp_rank: int, weighted: bool = False) -> list[tuple[int, nn.Module]]:
     """:func:`pipeline_split` for an explicit pipeline rank (no mesh needed)."""
     layer_keys = list(model.layers.keys())
-    ranges = split_layers(len(layer_keys), plan.n_stages)
+    ranges = split_layers(len(layer_keys), plan.n_stages, weighted)
     out = []
     for s in stage_ids_for_rank(plan, pp_rank):
         keep = {layer_keys[i] for i in ranges[s]}
