@@ -46,7 +46,8 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     (fp32 in Megatron-LM; bf16 with grad_dtype bf16, NeMo / Megatron-Bridge recipes) and
     all-gathers bf16 parameters once per step, overlapped with the last micro-batch's backward
     and the first one's forward (Megatron-LM --overlap-grad-reduce / --overlap-param-gather);
-    zero = 0 all-reduces the main gradients.
+    zero = 0 all-reduces the main gradients, and so does DeepSpeed's BF16 optimizer (``grad_accum: hp_copy``)
+    with its optimizer sharded: fp32 gradients all-reduced, bf16 partitions all-gathered after the step.
     Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
@@ -221,7 +222,15 @@ def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple
     local = rp["last_dense"] + rp["last_expert"]
     g = workload.grad_elem_bytes                  # fp32 main gradients, or bf16 (grad_dtype)
     tail = np.minimum(_megatron_tail_params(table, model, rp), local)
-    if workload.zero >= 1:
+    if workload.zero >= 1 and workload.grad_accum_mode == "hp_copy":
+        # DeepSpeed's BF16 optimizer under the pipeline engine shards the optimizer (ZeRO-1) but all-reduces the
+        # whole fp32 gradients (pipe/engine.py ``_bf16_reduce_grads``: ``buffered_allreduce_fallback`` of the
+        # optimizer's fp32 gradients), then all-gathers its bf16 parameter partitions after the step
+        red = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha, link.tree_latency)
+        gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
+        red_tail = all_reduce_time(dpn, 4.0 * tail, link.bw, link.alpha, link.tree_latency)
+        gath_tail = ring_gather_time(dpn, 2.0 * tail, link.bw, link.alpha)
+    elif workload.zero >= 1:
         red = ring_gather_time(dpn, g * local, link.bw, link.alpha)
         gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
         red_tail = ring_gather_time(dpn, g * tail, link.bw, link.alpha)

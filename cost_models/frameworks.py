@@ -65,8 +65,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               why="fused softmax and dropout, no sequence parallelism; the pipeline cut by --pp-partition-method "
                   "'type:transformer|embedding' (tr11-176B-ml.slurm: the embeddings count as layers, the weighted "
                   "split); the BF16 optimizer copies each micro-"
-                  "batch's gradients into fp32 (update_hp_grads); the pipeline engine's ReduceGrads runs after "
-                  "the last backward (deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
+                  "batch's gradients into fp32 (update_hp_grads) and all-reduces them whole (pipe/engine.py "
+                  "_bf16_reduce_grads); the pipeline engine's ReduceGrads runs after the last backward "
+                  "(deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
     Framework("llama3-meta", "Meta's Llama 3 training stack (arXiv:2407.21783 Sec. 3.3.2: FSDP x TP x PP x CP)",
               {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused_ffn", "gqa_kv": "native",
                "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch",

@@ -119,3 +119,27 @@ def test_tail_grows_with_dp_once_the_bucket_outgrows_the_embedding():
     tail = D._megatron_tail_params(t, model, rank_params(t, model))
     emb = 128256 * 4096 / 8
     assert tail[0] >= emb and tail[-1] > tail[0]
+
+
+def test_deepspeed_bf16_optimizer_all_reduces_fp32_gradients():
+    """DeepSpeed's pipeline engine with its BF16 optimizer (grad_accum hp_copy, BLOOM) shards the optimizer but
+    all-reduces the whole fp32 gradients (pipe/engine.py ``_bf16_reduce_grads``, ``buffered_allreduce_fallback``)
+    and then all-gathers the bf16 partitions; nothing hides either (ReduceGrads is its own instruction).  Megatron's
+    distributed optimizer reduce-scatters instead.  Same layout, overlap off: the difference is one more pass of the
+    4-byte gradients (an all-reduce is two ring passes)."""
+    model, hw = load_model("llama3-8b"), load_hardware("a100-80g")
+    t = CandidateTable.from_plans([Plan(dp_shard=8, tp=4, pp=4, microbatch=1, n_microbatches=8)])
+    coeffs = Coefficients(dp_overlap=0.0)
+    out = {}
+    for accum in ("hp_copy", "autograd"):
+        wl = Workload(seq_len=2048, global_batch=64, state_layout="megatron", zero=1, grad_accum=accum)
+        r, links = Rates(hw, wl, coeffs), axis_links(t, hw, coeffs)
+        st = S.stage_times(t, model, hw, wl, coeffs, links, r)
+        out[accum] = float(S.data_parallel(t, model, hw, wl, coeffs, links, r, st)[0][0])
+    link = links["dp"]
+    local = float(rank_params(t, model)["last_dense"][0])
+    bw, alpha, tree = float(link.bw[0]), float(link.alpha[0]), float(link.tree_latency[0])
+    rs = 7 * alpha + 7 / 8 * 4.0 * local / bw                       # Megatron: reduce-scatter of fp32 gradients
+    ar = 2 * rs - 14 * alpha + min(14 * alpha, tree)                  # DeepSpeed: all-reduce (NCCL's ring or tree latency)
+    assert out["hp_copy"] - out["autograd"] == pytest.approx(ar - rs, rel=1e-9)
+    assert ar - rs > 0.9 * rs

@@ -20,19 +20,20 @@ from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 
 
-def _plans():
+def _plans(extra_units: int = 0):
     out = []
     for L, pp in itertools.product((3, 5, 8, 13, 16, 61, 80, 126), (1, 2, 3, 4, 7, 8, 16)):
         for sched, vs in (("1F1B", (1,)), ("GPipe", (1,)), ("Interleaved1F1B", (2, 3, 4, 5)),
                           ("ZBVZeroBubble", (2,)), ("DualPipeV", (2,))):
             for v in vs:
-                if pp == 1 and sched != "1F1B" or pp * v > L:
+                if pp == 1 and sched != "1F1B" or pp * v > L + extra_units:
                     continue
                 out.append((L, Plan(pp=pp, schedule=sched, stages_per_rank=v, n_microbatches=2 * pp)))
     return out
 
 
 CASES = _plans()
+WEIGHTED_CASES = _plans(extra_units=2)     # pp_split weighted: the embedding and the head are units too
 
 
 class _Model:                       # the two facts of a model the layout reads
@@ -41,9 +42,9 @@ class _Model:                       # the two facts of a model the layout reads
         self.is_moe = n_dense < n_layers
 
 
-def _executor_rank(L, plan, r, n_dense=0):
+def _executor_rank(L, plan, r, n_dense=0, weighted=False):
     """(layers, dense layers, holds stage 0, holds the last stage) of pipeline rank r, from the executor."""
-    ranges = split_layers(L, plan.pp * plan.stages_per_rank)
+    ranges = split_layers(L, plan.pp * plan.stages_per_rank, weighted)
     ids = stage_ids_for_rank(plan, r)
     layers = [i for s in ids for i in ranges[s]]
     return len(layers), sum(i < n_dense for i in layers), 0 in ids, len(ranges) - 1 in ids
@@ -57,44 +58,58 @@ def test_stage_layer_counts_is_the_executor_split():
         stage_layer_counts(3, 4)
 
 
-def test_rank_layers_match_the_executor_for_every_rank_and_schedule():
-    for L in sorted({L for L, _ in CASES}):
-        plans = [p for l, p in CASES if l == L]
+def test_weighted_split_counts_the_embedding_and_the_head():
+    assert stage_layer_counts(70, 12, weighted=True) == [5] + [6] * 10 + [5]      # BLOOM: 72 units / 12
+    assert stage_layer_counts(126, 128, weighted=True) == [0] + [1] * 126 + [0]   # Llama 3: a chunk per unit
+    assert stage_layer_counts(30, 8, weighted=True) == [3, 4, 4, 4, 4, 4, 4, 3]    # Zero Bubble's 6.2B
+    assert stage_layer_counts(5, 1, weighted=True) == [5]
+    with pytest.raises(ValueError, match=r"\+2 units"):
+        stage_layer_counts(3, 6, weighted=True)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rank_layers_match_the_executor_for_every_rank_and_schedule(weighted):
+    cases = WEIGHTED_CASES if weighted else CASES
+    for L in sorted({L for L, _ in cases}):
+        plans = [p for l, p in cases if l == L]
         t = CandidateTable.from_plans(plans)
         n_dense = min(3, L - 1)
         for r in range(max(p.pp for p in plans)):
             on = np.array([r < p.pp for p in plans])
-            tot, dense = rank_layers(t, L, np.minimum(r, t.pp - 1), n_dense)
-            want = np.array([_executor_rank(L, p, min(r, p.pp - 1), n_dense) for p in plans])
+            tot, dense = rank_layers(t, L, np.minimum(r, t.pp - 1), n_dense, weighted)
+            want = np.array([_executor_rank(L, p, min(r, p.pp - 1), n_dense, weighted) for p in plans])
             np.testing.assert_array_equal(tot[on], want[on, 0])
             np.testing.assert_array_equal(dense[on], want[on, 1])
-        busiest = busiest_rank_layers(t, L)
-        np.testing.assert_array_equal(busiest, [max(_executor_rank(L, p, r)[0] for r in range(p.pp)) for p in plans])
+        busiest = busiest_rank_layers(t, L, weighted)
+        np.testing.assert_array_equal(busiest, [max(_executor_rank(L, p, r, 0, weighted)[0] for r in range(p.pp))
+                                                for p in plans])
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("n_dense", [0, 1, 3, 10])
-def test_busiest_rank_has_the_most_moe_blocks(n_dense):
-    plans = [p for L, p in CASES if L == 61]
+def test_busiest_rank_has_the_most_moe_blocks(n_dense, weighted):
+    plans = [p for L, p in (WEIGHTED_CASES if weighted else CASES) if L == 61]
     t = CandidateTable.from_plans(plans)
     m = _Model(61, n_dense)
-    nd, nm = layer_mix(t, m)
+    nd, nm = layer_mix(t, m, weighted=weighted)
     for i, p in enumerate(plans):
-        per_rank = [_executor_rank(61, p, r, n_dense) for r in range(p.pp)]
+        per_rank = [_executor_rank(61, p, r, n_dense, weighted) for r in range(p.pp)]
         best = max((tot - d, tot) for tot, d, _, _ in per_rank)
         assert (nm[i], nd[i] + nm[i]) == best, p.describe()
-        fd, fm = layer_mix(t, m, first=True)
+        fd, fm = layer_mix(t, m, first=True, weighted=weighted)
         assert (fd[i], fm[i]) == (per_rank[0][1], per_rank[0][0] - per_rank[0][1])
 
 
-def test_ends_of_the_model():
-    plans = [p for L, p in CASES if L == 16]
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ends_of_the_model(weighted):
+    plans = [p for L, p in (WEIGHTED_CASES if weighted else CASES) if L == 16]
     t = CandidateTable.from_plans(plans)
     m = _Model(16, 16)
     for which in ("first", "last", "busiest"):
-        emb, head = holds_ends(t, m, which)
-        r = rank_index(t, m, which)
+        emb, head = holds_ends(t, m, which, weighted)
+        r = rank_index(t, m, which, weighted)
         for i, p in enumerate(plans):
-            _, _, e, h = _executor_rank(16, p, int(r[i]))
+            _, _, e, h = _executor_rank(16, p, int(r[i]), 0, weighted)
             assert (emb[i], head[i]) == (e, h), (which, p.describe())
 
 
@@ -145,3 +160,20 @@ def test_a_tied_head_on_another_rank_is_a_second_copy_of_the_embedding():
     assert rp["first_dense"][1] == pytest.approx(nd1[1] * rp["dense_block"][1] + emb + pc["final_norm"])
     nd2, _ = rp["first_layers"]
     assert rp["first_dense"][2] == pytest.approx(nd2[2] * rp["dense_block"][2] + emb + pc["final_norm"])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_busiest_rank_with_long_dense_prefixes(weighted):
+    """Dense prefixes spanning several rounds of interleaved or V stages: the busiest rank by MoE blocks (then
+    blocks) is the executor's, over every rank (the ranks around the dense/MoE boundary are candidates)."""
+    for L, n_dense in itertools.product((27, 47, 94), (1, 5, 10, 20)):
+        plans = [Plan(pp=pp, schedule=sched, stages_per_rank=v, n_microbatches=4 * pp)
+                 for pp in (2, 3, 4, 6, 7, 8, 12, 16)
+                 for sched, vs in (("1F1B", (1,)), ("Interleaved1F1B", (2, 3, 4, 5)), ("ZBVZeroBubble", (2,)),
+                                   ("DualPipeV", (2,)))
+                 for v in vs if pp * v <= L + 2 * weighted]
+        t = CandidateTable.from_plans(plans)
+        nd, nm = layer_mix(t, _Model(L, n_dense), weighted=weighted)
+        for i, p in enumerate(plans):
+            per_rank = [_executor_rank(L, p, r, n_dense, weighted) for r in range(p.pp)]
+            assert (nm[i], nd[i] + nm[i]) == max((tot - d, tot) for tot, d, _, _ in per_rank), (L, n_dense, p.describe())

@@ -62,3 +62,31 @@ def test_compile_and_float8_speed_up():
     f = est1(Plan(compile=True, float8=True, **base), model="llama3-8b")
     assert f.step_time_s[0] < c.step_time_s[0] < e.step_time_s[0]
     assert c.step_time_s[0] > 0.7 * e.step_time_s[0]          # a modest speedup
+
+
+def _gpt(n_layers: int, vocab: int) -> object:
+    return model_from_dict({"name": f"gpt{n_layers}", "dim": 4096, "n_layers": n_layers, "n_heads": 32,
+                            "ffn_hidden": 16384, "vocab_size": vocab, "mlp": "gelu", "norm": "layernorm"})
+
+
+@pytest.mark.parametrize("vocab", [8192, 256000])
+def test_the_pipeline_is_paced_by_the_rank_with_the_most_work(vocab):
+    """70 layers over 12 stages: stages 0-9 hold 6, stages 10-11 hold 5 and the last the LM head too. The rank
+    that paces the pipeline runs max(6 blocks, 5 blocks + head) per micro-batch, never 6 blocks AND the head:
+    with a small vocabulary the busiest rank's 6 blocks, with a large one the last rank's 5 blocks and head.
+    The 72-layer model (6 on every stage, the head on the last) gives one block's time."""
+    wl = Workload(seq_len=2048, global_batch=48)
+    hw, co = load_hardware("a100-80g"), Coefficients()
+    plan = Plan(dp_shard=1, tp=4, pp=12, n_microbatches=48, ac="full")
+    t = table(plan)
+    work = {}
+    for L in (70, 72):
+        st = stage_times(t, _gpt(L, vocab), hw, wl, co, axis_links(t, hw, co), Rates(hw, wl, co))
+        work[L] = {k: float(st[k][0]) for k in ("F", "B", "W", "head_F", "head_B", "head_W")}
+    head = work[72]["head_F"] + work[72]["head_B"] + work[72]["head_W"]
+    block = (work[72]["F"] + work[72]["B"] + work[72]["W"] - head) / 6
+    got = work[70]["F"] + work[70]["B"] + work[70]["W"]
+    assert got == pytest.approx(max(6 * block, 5 * block + head), rel=1e-9)
+    assert got < 6 * block + head
+    holds_head = work[70]["head_F"] > 0
+    assert holds_head == (head > block)          # the head's rank paces it exactly when the head outweighs a block
