@@ -5,7 +5,8 @@ change that keeps the layout's degrees and saves memory, stated as the flag that
 
 * plan knobs titan-run runs: ``--ac selective`` / ``--ac full``, ``--reshard``, a smaller ``--microbatch``
   (more micro-batches of the same global batch), ``--pp-grad-sync every_microbatch`` (fsdp2, pp > 1, not
-  the V schedules);
+  the V schedules), ``--pp-split weighted`` (pp > 1: the first stage, which keeps the most micro-batches in
+  flight, holds the embedding and a layer fewer);
 * other frameworks' regimes, which titan-run does not run (each a workload key the estimate reads):
   ``--pp-sent-tensors freed``, ``--norm-impl fused``, ``--swiglu-impl fused``, ``--gqa-kv native``,
   ``--loss-impl fused``;
@@ -64,6 +65,8 @@ def candidates(plan: Plan, workload, model) -> list[Remedy]:
     if plan.pp > 1 and workload.state_layout == "fsdp2" and workload.pp_defers_grad_sync:
         out.append(Remedy(_flag("pp_grad_sync", "every_microbatch"), not plan.is_v_schedule, {},
                           {"pp_grad_sync": "every_microbatch"}))
+    if plan.pp > 1 and not workload.pp_weighted:
+        out.append(Remedy(_flag("pp_split", "weighted"), True, {}, {"pp_split": "weighted"}))
     if workload.gqa_kv_expanded and model.n_kv_heads < model.n_heads:     # titan-run's own: K/V unexpanded
         out.append(Remedy(_flag("gqa_kv", "native"), True, {}, {"gqa_kv": "native"}))
     for key, value, applies in _REGIMES:

@@ -88,3 +88,17 @@ def test_the_frameworks_under_whose_regime_it_fits():
     assert "it fits under another framework's regime (titan-run does not run it): --framework llama3-meta" in text
     under = _est(*base, "--json", "--framework", "llama3-meta")
     assert under["predicted"]["headroom_gib"] >= 0 and under["remedies"] is None
+
+
+def test_the_weighted_pipeline_split_is_a_remedy_titan_run_runs():
+    """Llama 3 405B (126 layers) over PP 8: the layers-only split gives stage 0 16 layers, and stage 0 keeps the
+    most micro-batches in flight; the weighted split gives it the embedding and 15 (128 units / 8).  At seq 9216
+    the layout misses 80 GB by ~1 GiB and --pp-split weighted alone makes it fit, at the figures its own estimate
+    gives."""
+    base = [*H100, "--model", "llama3-405b", "--gpus", "512", "--pp", "8", "--tp", "8", "--dp-shard", "8",
+            "--global-batch", "1024", "--ac", "full", "--microbatch", "4", "--seq-len", "9216"]
+    doc = _est(*base)
+    assert doc["predicted"]["headroom_gib"] < 0
+    split = [d for d in doc["remedies"]["single"] if d["flags"] == "--pp-split weighted"]
+    assert len(split) == 1 and split[0]["titan_run"] and split[0]["fits"], doc["remedies"]
+    _check_against_its_own_estimate(base, split[0])
