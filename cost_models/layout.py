@@ -11,6 +11,8 @@ stage placement (the executor's ``stage_ids_for_rank``):
 
 Stage s of S = pp * v holds ``base + (s < extra)`` layers (``base, extra = divmod(L, S)``): the
 earlier stages take the extra layers, so the last stage (norm and LM head) is never the biggest.
+Under workload ``pp_split: weighted`` the same is done with L + 2 units, the embedding the first and
+the head the last, so the end stages hold a layer fewer (`stage_layer_counts`).
 MoE models put their ``n_dense_layers`` dense blocks first.
 
 The ranks the cost model looks at: the first (rank 0: embedding, the most micro-batches in flight
@@ -103,7 +105,7 @@ def _candidate_ranks(table, n_layers: int, weighted: bool) -> list[np.ndarray]:
     most layers are on rank 0 or 1; under V, rank r holds stages r and 2 pp - 1 - r, both with an extra unit
     from r = 2 pp - extra on (extra > pp), else rank 1 has the most after rank 0."""
     pp = table.pp.astype(np.int64)
-    s, base, extra, w = _split(table, n_layers, weighted)
+    extra = _split(table, n_layers, weighted)[2]
     top = np.maximum(pp - 1, 0)
     return [np.zeros_like(pp), np.minimum(1, top), top, np.clip(2 * pp - extra, 0, top)]
 
