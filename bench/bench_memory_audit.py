@@ -92,7 +92,7 @@ def audit(name, model_name, hw_name, workload, plan_kw, step: bool) -> list[dict
     # with the allocated-bytes semantics of a CPU run
     live = memory_by_rank(table, model, wl, Coefficients(), caching_allocator=False)
     per_stage = plan.world_size // plan.pp
-    pp_rank = {w: int(rank_index(table, model, w)[0]) for w in RANKS}
+    pp_rank = {w: int(rank_index(table, model, w, wl.pp_weighted)[0]) for w in RANKS}
     ranks = sorted({r * per_stage for r in pp_rank.values()})
     t0 = time.perf_counter()
     doc = dry_run(model_name, hw_name, workload, plan_kw, ranks, memory=step)
