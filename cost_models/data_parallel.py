@@ -222,22 +222,23 @@ def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple
     local = rp["last_dense"] + rp["last_expert"]
     g = workload.grad_elem_bytes                  # fp32 main gradients, or bf16 (grad_dtype)
     tail = np.minimum(_megatron_tail_params(table, model, rp), local)
-    if workload.zero >= 1 and workload.grad_accum_mode == "hp_copy":
-        # DeepSpeed's BF16 optimizer under the pipeline engine shards the optimizer (ZeRO-1) but all-reduces the
-        # whole fp32 gradients (pipe/engine.py ``_bf16_reduce_grads``: ``buffered_allreduce_fallback`` of the
-        # optimizer's fp32 gradients), then all-gathers its bf16 parameter partitions after the step
-        red = all_reduce_time(dpn, 4.0 * local, link.bw, link.alpha, link.tree_latency)
-        gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
-        red_tail = all_reduce_time(dpn, 4.0 * tail, link.bw, link.alpha, link.tree_latency)
-        gath_tail = ring_gather_time(dpn, 2.0 * tail, link.bw, link.alpha)
-    elif workload.zero >= 1:
-        red = ring_gather_time(dpn, g * local, link.bw, link.alpha)
-        gath = ring_gather_time(dpn, 2.0 * local, link.bw, link.alpha)
-        red_tail = ring_gather_time(dpn, g * tail, link.bw, link.alpha)
-        gath_tail = ring_gather_time(dpn, 2.0 * tail, link.bw, link.alpha)
-    else:
-        red, gath = all_reduce_time(dpn, g * local, link.bw, link.alpha, link.tree_latency), 0.0
-        red_tail, gath_tail = all_reduce_time(dpn, g * tail, link.bw, link.alpha, link.tree_latency), 0.0
+    # zero >= 1 reduce-scatters the main gradients and all-gathers the bf16 parameters; zero 0 all-reduces.
+    # DeepSpeed's BF16 optimizer under the pipeline engine shards the optimizer (ZeRO-1) but all-reduces the
+    # whole fp32 gradients (pipe/engine.py ``_bf16_reduce_grads``: ``buffered_allreduce_fallback`` of the
+    # optimizer's fp32 gradients), then all-gathers its bf16 parameter partitions after the step
+    hp_all_reduce = workload.zero >= 1 and workload.grad_accum_mode == "hp_copy"
+    if hp_all_reduce:
+        g = 4.0
+
+    def reduce(n):
+        if workload.zero >= 1 and not hp_all_reduce:
+            return ring_gather_time(dpn, g * n, link.bw, link.alpha)
+        return all_reduce_time(dpn, g * n, link.bw, link.alpha, link.tree_latency)
+
+    def gather(n):
+        return ring_gather_time(dpn, 2.0 * n, link.bw, link.alpha) if workload.zero >= 1 else 0.0
+
+    red, gath, red_tail, gath_tail = reduce(local), gather(local), reduce(tail), gather(tail)
     dp = (np.maximum(red - ov * (st["B"] + st["W"]), red_tail)
           + np.maximum(gath - ov * st["F"], gath_tail))
     opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local

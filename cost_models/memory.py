@@ -92,7 +92,6 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     caching_allocator, frag, nccl = _allocator_terms(table, coeffs, caching_allocator, hw)
     shared = _shared_activation_terms(table, model, workload, coeffs)
     rp = rank_params(table, model, workload.pp_weighted)
-    shared["weighted"] = workload.pp_weighted
     results = {}
     for which in RANKS:
         if workload.state_layout == "fsdp2":
@@ -102,7 +101,7 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
             params, grads, optimizer, fsdp, fsdp_at_turn = _megatron_state_bytes(table, workload, rp, which,
                                                                                  caching_allocator)
         acts, logits = _activation_bytes(table, model, rp, which, shared, coeffs, caching_allocator,
-                                         fsdp, fsdp_at_turn)
+                                         fsdp, fsdp_at_turn, workload.pp_weighted)
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp) + nccl
         # With one backward pass over the step's activations (pp == 1 with one micro-batch, or
         # GPipe: all forwards first) the activation peak comes at the forward/backward turn, before
@@ -263,10 +262,10 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
 
 
 def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, caching_allocator: bool,
-                      fsdp, fsdp_at_turn) -> tuple[np.ndarray, np.ndarray]:
+                      fsdp, fsdp_at_turn, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(activations, logits) of rank `which`: its in-flight micro-batches' blocks, the pipeline
     buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
-    rank = rank_index(table, model, which, shared["weighted"])
+    rank = rank_index(table, model, which, weighted)
     infl = in_flight_on_rank(table, rank)
     pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
     # the embedding's backward on the rank holding it: under dtensor TP its replicated weight gradient

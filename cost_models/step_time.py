@@ -88,7 +88,8 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
         return out, total
 
     best, best_total = rank_work("busiest")
-    for which in ("last", "first"):
+    # the head is on the last rank, or on the first under the V placement (the first holds no more blocks)
+    for which in ("last", "first") if table.is_v_schedule.any() else ("last",):
         cand, total = rank_work(which)
         pick = total > best_total
         if pick.any():
