@@ -88,13 +88,26 @@ def rank_stages(table, rank) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def rank_layers(table, n_layers: int, rank, below: int = 0, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(layers on pipeline rank `rank`, how many of them have a layer id < `below`)."""
+    """(layers on pipeline rank `rank`, how many of them have a layer id < `below`).
+
+    The count is closed-form (the planner calls this for every candidate of every rank it compares): the loop
+    placement's rank r holds stages r + k pp (k < v), of which ceil((extra - r) / pp) take an extra unit, stage
+    0 (rank 0) loses the embedding's unit and stage S - 1 (rank pp - 1) the head's; the V placement's holds
+    stages r and 2 pp - 1 - r.  Only a `below` inside the model (a dense prefix of a MoE model) walks the stages."""
     s, base, extra, w = _split(table, n_layers, weighted)
-    total = np.zeros(len(table), dtype=np.int64)
+    pp, v = table.pp.astype(np.int64), table.stages_per_rank.astype(np.int64)
+    rank = np.broadcast_to(np.asarray(rank, dtype=np.int64), pp.shape)
+    with_extra = np.clip(-(-(extra - rank) // np.maximum(pp, 1)), 0, v)
+    loop = v * base + with_extra - w * (rank == 0) - w * (rank == pp - 1)
+    v_pair = _stage_span(s, base, extra, w, rank)[1] + _stage_span(s, base, extra, w, 2 * pp - 1 - rank)[1]
+    total = np.where(table.is_v_schedule & (v == 2), v_pair, loop).astype(np.int64)
+    if below <= 0:
+        return total, np.zeros(len(table), dtype=np.int64)
+    if below >= n_layers:
+        return total, total.copy()
     first = np.zeros(len(table), dtype=np.int64)
     for stage, held in rank_stages(table, rank):
         lo, n = _stage_span(s, base, extra, w, stage)
-        total += np.where(held, n, 0)
         first += np.where(held, np.clip(below - lo, 0, n), 0)
     return total, first
 
@@ -144,6 +157,8 @@ def rank_index(table, model, which: str, weighted: bool = False) -> np.ndarray:
     # and the ranks of the stages around the dense/MoE boundary (the stage holding the last dense block and the
     # next), whose MoE blocks tie with the others' when the dense prefix spans several rounds of stages
     cands = [first, np.minimum(s_moe, pp - 1), last, second, v_pair, rank_of(s_moe - 1), rank_of(s_moe)]
+    if model.n_moe_layers == 0:       # no MoE block anywhere: the rank with the most blocks (`_candidate_ranks`)
+        cands = [first, last, second, v_pair]
     best, key = cands[0], None
     for r in cands:
         tot, dense = rank_layers(table, model.n_layers, r, nd, weighted)

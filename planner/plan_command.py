@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+import typing
 
+from cost_models.frameworks import get_framework
 from cost_models.specs import load_hardware
+from cost_models.workload import Workload
 from search_spaces.planfile import write_plan_file
 from search_spaces.space import load_space
 
@@ -26,13 +29,22 @@ def default_space(model, workload) -> str:
     return "long_context" if workload.seq_len >= 32768 else "dense"
 
 
+def pp_splits_to_search(args, given: dict, q: PlanInputs) -> tuple[str, ...] | None:
+    """Every pipeline split (workload ``pp_split``) when the question states none -- by flag, in the plan file's
+    workload or through --framework's regime -- since titan-run runs each; None (the stated one) otherwise."""
+    stated = (getattr(args, "pp_split", None) is not None or "pp_split" in (given.get("workload") or {})
+              or "pp_split" in get_framework(q.framework).workload)
+    return None if stated else typing.get_args(typing.get_type_hints(Workload)["pp_split"])
+
+
 def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     d = read_question(args.plan_file, args)[1]
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     space = load_space(args.space or default_space(q.model, q.workload))
+    splits = pp_splits_to_search(args, d, q)
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
-                          coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by)
+                          coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits)
     elapsed = time.perf_counter() - t0
     if not res.n_feasible and res.n_candidates:     # legal layouts, none fits: say how many devices would do
         # a node shape the question states is kept; else the hardware's own (a small world had fewer per node)
@@ -40,7 +52,7 @@ def cmd_plan(args) -> int:
         hw = q.hardware if stated or q.hardware.device == "cpu" else load_hardware(q.hardware_ref)
         found = smallest_fitting_world(space, q.model, hw, q.workload, world_size=q.gpus,
                                        gpus_per_node=q.gpus_per_node if stated else None, coeffs=q.coeffs,
-                                       memory_margin=args.memory_margin, rank_by=args.rank_by)
+                                       memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits)
         if found is not None:
             k, bigger = found
             b = bigger.best()
@@ -52,7 +64,7 @@ def cmd_plan(args) -> int:
     contents = {
         "model": q.model_ref,
         "hardware": q.hardware_ref,
-        "workload": q.workload.to_dict(),
+        "workload": res.workload.to_dict(),       # the question's, with the pipeline split chosen
         "plan": res.table.plan(best),
         "predicted": report.predicted(res.est, best),
         "inputs": inputs,
@@ -78,6 +90,8 @@ def cmd_plan(args) -> int:
                "pareto": report.candidate_rows(res.table, res.est, res.pareto),
                "chosen": contents["plan"].to_dict(), "plan_file": None if args.no_write else args.out,
                "elapsed_s": round(elapsed, 4)}
+        if res.split_best:
+            doc["pp_split"] = {"chosen": res.workload.pp_split, "best_step_s": res.split_best}
         print(json.dumps(doc, indent=2))
         return 0
     _print_ranking(args, q, res, space, top, elapsed)
@@ -90,6 +104,8 @@ def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None
     print(q.headline())
     print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
           f"{res.n_feasible:,} feasible ({space.name} space)")
+    if res.split_best and res.n_feasible and res.table.pp[res.best()] > 1:   # the split of the chosen pipeline
+        print(split_line(res))
     print()
     order = "fastest p90 step first" if args.rank_by == "p90" else "fastest first"
     print(report.format_table(res.table, res.est, top, title=f"top {len(top)} ({order}):",
@@ -100,6 +116,20 @@ def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None
         for r in res.rejected:
             print(f"  {r.count:>9,} {r.unit}: {r.reason}")
         print()
+
+
+def split_line(res) -> str:
+    """The pipeline splits searched, each with its best step (`PlanningResult.split_best`), the chosen first."""
+    chosen = res.workload.pp_split
+    what = {"layers": "layers only, as even as possible", "weighted": "the embedding and the LM head count as a layer each"}
+    unit = "p90 step" if res.rank_by == "p90" else "step"
+
+    def best(s):
+        v = res.split_best[s]
+        return "nothing fits" if v is None else f"best {unit} {v:.4g} s"
+    others = "; ".join(f"{s}: {best(s)}" for s in res.split_best if s != chosen)
+    return (f"pipeline split: {chosen} ({what.get(chosen, chosen)}): {best(chosen)}; {others}  "
+            f"(set --pp-split to fix one)")
 
 
 def _print_outcome(args, res, best, contents: dict, dry_rows, trial_rows) -> None:

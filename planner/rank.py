@@ -37,6 +37,9 @@ class PlanningResult:
     workload: Workload | None = None
     coeffs: Coefficients | None = None
     rank_by: str = "time"
+    # pipeline split searched (`plan_candidates(pp_splits=...)`): each split's best step time in seconds (None:
+    # nothing fits under it); the chosen split is ``workload.pp_split``.  Empty when one split was scored.
+    split_best: dict[str, float | None] = field(default_factory=dict)
 
     def step_time(self) -> np.ndarray:
         """The step time the ranking uses (seconds per step, every candidate)."""
@@ -74,14 +77,47 @@ class PlanningResult:
 
 def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
                     world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
-                    memory_margin: float = 0.0, rank_by: str = "time") -> PlanningResult:
+                    memory_margin: float = 0.0, rank_by: str = "time",
+                    pp_splits: tuple[str, ...] | None = None) -> PlanningResult:
     """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin).
 
     ``rank_by="p90"`` ranks by the conservative step time (`Estimates.step_time_p90_s`) and judges
     feasibility by the conservative peak memory (`Estimates.peak_memory_p90_bytes`).
+
+    `pp_splits` (workload ``pp_split`` values; default: the workload's own) are the pipeline splits to search:
+    each is scored as a workload of its own and the result is the one whose best candidate has the shortest step
+    (then the least memory; the first split on a tie).  A split changes nothing without a pipeline, so the
+    others are scored only when the first has candidates with ``pp > 1``.
     """
     if rank_by not in RANK_BY:
         raise PlanningError(f"rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
+    splits = tuple(dict.fromkeys(pp_splits or (workload.pp_split,)))
+    kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, coeffs=coeffs, memory_margin=memory_margin,
+              rank_by=rank_by)
+    first = _plan_one(space, model, hw, dataclasses.replace(workload, pp_split=splits[0]), **kw)
+    if len(splits) == 1 or not (first.table.pp > 1).any():
+        return first
+    results = [first] + [_plan_one(space, model, hw, dataclasses.replace(workload, pp_split=s), **kw)
+                         for s in splits[1:]]
+
+    def best_step(r: PlanningResult) -> float | None:
+        return float(r.step_time()[r.order[0]]) if r.n_feasible else None
+
+    def key(r: PlanningResult) -> tuple:
+        if not r.n_feasible:
+            return (1, float(r.peak_memory().min(initial=np.inf)), 0.0)
+        i = r.order[0]
+        return (0, float(r.step_time()[i]), float(r.peak_memory()[i]))
+
+    chosen = min(results, key=key)        # min keeps the first of equal keys
+    chosen.split_best = {r.workload.pp_split: best_step(r) for r in results}
+    return chosen
+
+
+def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
+              world_size: int, gpus_per_node: int | None, coeffs: Coefficients | None,
+              memory_margin: float, rank_by: str) -> PlanningResult:
+    """`plan_candidates` for the workload's own pipeline split."""
     target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
                          global_batch=workload.global_batch,
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
@@ -110,14 +146,15 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
 def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
                            world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
                            memory_margin: float = 0.0, rank_by: str = "time",
-                           max_world: int = MAX_WORLD_SIZE) -> tuple[int, PlanningResult] | None:
+                           max_world: int = MAX_WORLD_SIZE,
+                           pp_splits: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
     """When nothing fits on `world_size` devices: the smallest power-of-two multiple of it (up to `max_world`)
     on which some layout of `space` fits, with its planning result, or None.  The global batch stays the
     question's; multiples of the world keep the node shape."""
     k = 2 * world_size
     while k <= max_world:
         res = plan_candidates(space, model, hw, workload, world_size=k, gpus_per_node=gpus_per_node, coeffs=coeffs,
-                              memory_margin=memory_margin, rank_by=rank_by)
+                              memory_margin=memory_margin, rank_by=rank_by, pp_splits=pp_splits)
         if res.n_feasible:
             return k, res
         k *= 2
