@@ -291,6 +291,11 @@ def build_case(row) -> Case:
     if row.get("not_scorable"):
         raise ValueError(str(row["not_scorable"]))
     model = _model(row)
+    recipe = recipe_for(row) or {}          # bench/reference_recipes.yaml: what the row's recipe states
+    # multi-token-prediction modules the source states (the row's model, else its recipe: Megatron's mtp_num_layers)
+    mtp = row["model"].get("mtp_layers", recipe.get("mtp_layers"))
+    if mtp:
+        model = dataclasses.replace(model, mtp_layers=int(mtp))
     if str(row.get("framework")) == "megatron-deepspeed-2022":
         # BLOOM's tr11 setup normalizes the embedding (tr11-176B-ml.slurm: --embed-layernorm; the candidates'
         # "other architecture as tr11"; chronicles-prequel.md 'main-no-emb-norm' turns it off for one test only)
@@ -321,7 +326,6 @@ def build_case(row) -> Case:
     rec = str(par.get("recompute", "not stated")).lower()
     ac = ("full" if rec.startswith("full") else "selective" if rec.startswith("selective")
           else "none" if rec.startswith("none") else None)         # None: not stated, chosen below
-    recipe = recipe_for(row) or {}          # bench/reference_recipes.yaml: what the row's recipe states
     if ac is None and recipe.get("recompute"):
         ac = str(recipe["recompute"])
     # Megatron-core's recompute_modules as the row states them (a recipe's otherwise)
@@ -379,7 +383,7 @@ def build_case(row) -> Case:
         kw.update(selective_ac="modules", recompute_modules=modules)
     # how the source cut the layers into stages: the embedding and the head counted as layers (DeepSpeed's
     # type:transformer|embedding; a paper's "one layer fewer on the first and the last stage")
-    split = str(par.get("pp_partition", "")).lower()
+    split = str(par.get("pp_partition") or recipe.get("pp_partition", "")).lower()
     if split.startswith(("type:transformer|embed", "weighted")):
         kw["pp_split"] = "weighted"
     elif split.startswith("layers"):

@@ -133,14 +133,20 @@ def param_counts(model) -> dict[str, float]:
                    moe_ffn=float(router + model.n_experts * expert + shared))
     out["dense_layer"] = attn + norms + dense_ffn
     out["moe_layer"] = attn + norms + out["moe_ffn"]
-    total = emb + head + final_norm + n_dense * out["dense_layer"] + n_moe * out["moe_layer"]
-    inactive = n_moe * (model.n_experts - model.top_k) * out["expert"]
+    # a multi-token-prediction module (ModelSpec.mtp_layers): a block of the last layer's kind, the [2h -> h]
+    # projection and three norms (two on its inputs, one before the shared head); the head weight is shared
+    mtp = model.mtp_layers
+    mtp_moe = mtp * (n_moe > 0)
+    out["mtp_module"] = float((out["moe_layer"] if n_moe else out["dense_layer"]) + 2 * h * h + 3 * final_norm)
+    total = emb + head + final_norm + n_dense * out["dense_layer"] + n_moe * out["moe_layer"] + mtp * out["mtp_module"]
+    inactive = (n_moe + mtp_moe) * (model.n_experts - model.top_k) * out["expert"]
     out["total"] = float(total)
     out["active"] = float(total - inactive)
-    out["expert_total"] = float(n_moe * model.n_experts * out["expert"])
+    out["expert_total"] = float((n_moe + mtp_moe) * model.n_experts * out["expert"])
     # matmul weights a token actually multiplies: everything active except lookup and norms;
-    # a tied embedding still costs its LM-head matmul.
-    out["matmul_active"] = float(out["active"] - emb - final_norm - model.n_layers * norms + (emb if model.tie_embeddings else 0))
+    # a tied embedding still costs its LM-head matmul, and each MTP module runs the head once more.
+    out["matmul_active"] = float(out["active"] - emb - final_norm - model.n_layers * norms + (emb if model.tie_embeddings else 0)
+                                 + mtp * (v * h - norms - 3 * final_norm))
     return out
 
 
@@ -156,7 +162,7 @@ def attention_flops_per_token(model, seq_len: int) -> float:
     """
     d_qk, _, _ = attention_dims(model)
     d_v = model.n_heads * (model.v_head_dim if model.attention == "mla" else model.head_dim)
-    return 3.0 * model.n_layers * seq_len * (d_qk + d_v)
+    return 3.0 * (model.n_layers + model.mtp_layers) * seq_len * (d_qk + d_v)
 
 
 def flops_per_token(model, seq_len: int) -> float:
@@ -184,4 +190,4 @@ def megatron_flops_per_token(model, seq_len: int) -> float:
     figures back into tokens/s."""
     pc = param_counts(model)
     d_qk, _, _ = attention_dims(model)
-    return 6.0 * pc["matmul_active"] + 6.0 * model.n_layers * seq_len * d_qk * 2
+    return 6.0 * pc["matmul_active"] + 6.0 * (model.n_layers + model.mtp_layers) * seq_len * d_qk * 2

@@ -294,30 +294,46 @@ def rank_params(table, model, weighted: bool = False) -> dict[str, np.ndarray]:
 
     dense_tensor = largest(layer_matmuls(model, False))
     moe_tensor = largest(layer_matmuls(model, True)) if model.is_moe else 0.0 * tp
+    # the multi-token-prediction modules (ModelSpec.mtp_layers) on the rank holding the head: blocks of the last
+    # layer's kind (`mtp_blocks`), each with its column-parallel [2h -> h] projection and three norms, reading
+    # the token embedding, of which that rank keeps a copy where the embedding is elsewhere (Megatron-core's
+    # MTP on the last pipeline stage; the copies' gradients are all-reduced as a tied embedding's)
+    m_dense, m_moe = mtp_blocks(model)
+    mtp_extra = model.mtp_layers * (2.0 * model.dim * model.dim / tp + 3 * pc["final_norm"])
     out = {}
     for which in RANKS:
         nd, nm = layer_mix(table, model, which=which, weighted=weighted)
         has_emb, has_head = holds_ends(table, model, which, weighted)
+        nd, nm = nd + has_head * m_dense, nm + has_head * m_moe
         if model.tie_embeddings:
             # a tied LM head on another rank than the embedding is a second copy of the weight, with its
             # own gradient and optimizer state (Megatron-LM's word embeddings on the last stage,
             # DeepSpeed's TiedLayerSpec owners), kept equal by a per-step all-reduce
             # (step_time.tied_embedding_sync)
             head = np.where(has_head & ~has_emb, emb, 0.0) + pc["final_norm"]
-        dense = nd * dense_block + nm * moe_dense + np.where(has_emb, emb, 0.0) + np.where(has_head, head, 0.0)
+        mtp_emb = np.where(has_head & ~has_emb & (model.mtp_layers > 0) & (not model.tie_embeddings), emb, 0.0)
+        dense = (nd * dense_block + nm * moe_dense + np.where(has_emb, emb, 0.0) + np.where(has_head, head, 0.0)
+                 + np.where(has_head, mtp_extra, 0.0) + mtp_emb)
         out[f"{which}_dense"] = dense
         out[f"{which}_expert"] = nm * moe_expert
         out[f"{which}_unit"] = np.maximum.reduce([dense_block * (nd > 0), moe_dense + moe_expert * (nm > 0),
                                                   np.where(has_emb, emb, 0.0), np.where(has_head, head, 0.0)])
         # the largest single parameter tensor of the rank (a per-tensor temporary is this big at most)
         out[f"{which}_tensor"] = np.maximum.reduce([dense_tensor * (nd > 0), moe_tensor * (nm > 0),
-                                                    np.where(has_emb, emb, 0.0),
+                                                    np.where(has_emb, emb, 0.0), mtp_emb,
                                                     np.where(has_head, head - pc["final_norm"], 0.0)])
         out[f"{which}_has_head"] = has_head
         out[f"{which}_has_emb"] = has_emb
         out[f"{which}_layers"] = (nd, nm)
     out["dense_block"], out["moe_dense_block"], out["moe_expert_block"] = dense_block, moe_dense, moe_expert
     return out
+
+
+def mtp_blocks(model) -> tuple[int, int]:
+    """(dense, MoE) blocks of the model's multi-token-prediction modules (`ModelSpec.mtp_layers`): each is a block
+    of the last layer's kind, on the pipeline rank holding the LM head."""
+    moe_last = model.n_moe_layers > 0
+    return model.mtp_layers * (not moe_last), model.mtp_layers * moe_last
 
 
 def expert_shard_fraction(table, model) -> np.ndarray:

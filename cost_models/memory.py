@@ -138,11 +138,15 @@ def _shared_activation_terms(table, model, workload, coeffs) -> dict:
     # lower by that); the other schedules run the loss stage's backward right after its forward.
     head_infl = np.where((table.pp > 1) & table.is_schedule("GPipe"), table.n_microbatches, 1.0)
     logit_kept, logit_turn = logit_bytes(table, workload)
+    # multi-token prediction (ModelSpec.mtp_layers): each module's hidden states go through the shared head with
+    # the main model's (Megatron-core concatenates them before the output layer), so the head rank's logits
+    # and head tensors are (1 + mtp_layers) times one micro-batch's
+    heads = 1.0 + model.mtp_layers
     return dict(e=4.0 if workload.dtype == "fp32" else 2.0, tokens=tokens, dense_act=dense_act, moe_act=moe_act, working_set=np.maximum(ws_dense, ws_moe),
                 head_infl=head_infl,
-                logits_head=tokens * model.vocab_size / table.tp * (head_infl * logit_kept + logit_turn),
-                head_act=head_activation_bytes(table, model, workload, table.compile),
-                logits_turn=tokens * model.vocab_size / table.tp * (logit_kept + logit_turn),
+                logits_head=heads * tokens * model.vocab_size / table.tp * (head_infl * logit_kept + logit_turn),
+                head_act=heads * head_activation_bytes(table, model, workload, table.compile),
+                logits_turn=heads * tokens * model.vocab_size / table.tp * (logit_kept + logit_turn),
                 pipe=pipeline_extra_bytes(table, model, workload),
                 emb_act=embedding_activation_bytes(table, model, workload))
 

@@ -68,6 +68,12 @@ class ModelSpec:
     # backward on the embedding's rank (cost_models/activations.embedding_activation_bytes); titan-run's
     # models have no embedding norm
     embed_norm: bool = False
+    # multi-token prediction (DeepSeek-V3, arXiv:2412.19437 Sec. 2.2; Megatron-core's mtp_num_layers): each of the
+    # mtp_layers modules is one more block of the last layer's kind, a [2h -> h] projection of the RMSNorm'd hidden
+    # state and next-token embedding (two norms) and its own final norm before the shared LM head, with one more
+    # cross-entropy, on the pipeline stage holding the head (Megatron-Bridge's DeepSeek-V3 layout 'Et|(tt|)*30mL');
+    # the cost model charges them (cost_models.layout.rank_params, step_time.stage_times); titan-run's models have none
+    mtp_layers: int = field(default=0, metadata={"min": 0, "max": 16})
     rope_theta: float = field(default=500000.0, metadata=_POSITIVE_OPEN)
     norm_eps: float = field(default=1e-5, metadata=_POSITIVE_OPEN)
     max_seq_len: int = field(default=8192, metadata=_POSITIVE)

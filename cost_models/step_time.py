@@ -23,7 +23,7 @@ from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels
                       gemm_time, head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import ROW, attention_dims, layer_matmuls
-from .layout import holds_ends, layer_mix
+from .layout import holds_ends, layer_mix, mtp_blocks
 from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
@@ -65,10 +65,18 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
                                                    blk["gpu_f"], blk["gpu_b"], workload)
         per_block[moe] = one
     head = head_times(model, workload, r, tokens, tp)
+    if model.mtp_layers:
+        # each multi-token-prediction module runs the head and loss once more and its [2h -> h] projection
+        # (column-parallel; forward, input and weight gradients) on the rank holding the head; its block is
+        # counted with the rank's blocks below (`layout.mtp_blocks`)
+        proj = model.mtp_layers * gemm_time(tokens, 2 * model.dim, model.dim / tp, r.gemm, r.mem, r.elt, r.elt, r.sms)
+        head = {k: (1 + model.mtp_layers) * head[k] + proj for k in ("F", "B", "W")}
+    m_dense, m_moe = mtp_blocks(model)
 
     def rank_work(which):
         nd, nm = layer_mix(table, model, which=which, weighted=workload.pp_weighted)
         _, has_head = holds_ends(table, model, which, workload.pp_weighted)
+        nd, nm = nd + has_head * m_dense, nm + has_head * m_moe
         out = {k: np.zeros(n) for k in keys}
         for moe, count in ((False, nd), (True, nm)):
             for k, v in per_block.get(moe, {}).items():
@@ -379,7 +387,7 @@ def tied_embedding_sync(table, model, workload, pp_link) -> np.ndarray:
     grad_dtype bf16), DeepSpeed ``PipelineEngine._exec_reduce_tied_grads`` (``dist.all_reduce`` of the
     weight's gradient; its BF16 optimizer's fp32 copy, ``weight._hp_grad``, under grad_accum hp_copy).
     The V schedules put the last stage on rank 0, next to the embedding: nothing to synchronise."""
-    if not model.tie_embeddings:
+    if not (model.tie_embeddings or model.mtp_layers):    # MTP reads the embedding on the head's stage: a copy too
         return np.zeros(len(table))
     nbytes = (4.0 if workload.grad_accum_mode == "hp_copy" else workload.grad_elem_bytes) \
         * model.vocab_size * model.dim / table.tp

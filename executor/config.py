@@ -386,6 +386,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
                           f"(tie_embeddings): titan-run keeps them tied only with pp 1 and tp 1 (set {key}: 1)")
     if spec.embed_norm:   # a cost-model fact of other frameworks' models (BLOOM's --embed-layernorm)
         raise ConfigError("model key 'embed_norm' is true, but titan-run's models have no embedding norm (set it false)")
+    if spec.mtp_layers:   # a cost-model fact of other frameworks' runs (DeepSeek-V3's multi-token prediction)
+        raise ConfigError(f"model key 'mtp_layers' is {spec.mtp_layers}, but titan-run's models have no multi-token "
+                          "prediction module (set it 0)")
     problems = check_plan(plan, target, tp_within_node=False)
     if problems:
         reason, msg = problems[0]

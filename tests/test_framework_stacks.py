@@ -34,7 +34,9 @@ def _without_workload_flags(argv: list[str], keep: set[str]) -> list[str]:
     ("llama3paper_t4_405B_16384gpu_seq8k", "llama3-meta", {"--norm-impl"}),
     ("llama3paper_t4_405B_8192gpu_seq8k", "llama3-meta", {"--norm-impl"}),
     # the row's own choices stay flags: Megatron-style recompute by submodule
-    ("deepseekv3_report_671B_2048gpu", "deepseek-hai-llm", {"--selective-ac", "--recompute-modules", "--norm-impl"}),
+    # (and the pipeline split the row assumes: the report does not state it)
+    ("deepseekv3_report_671B_2048gpu", "deepseek-hai-llm", {"--selective-ac", "--recompute-modules", "--norm-impl",
+                                                            "--pp-split"}),
 ])
 def test_the_framework_flag_gives_the_published_rows_estimate(row, framework, own, tmp_path):
     cases, _ = vr.build_cases(vr.load_set("extra"))
