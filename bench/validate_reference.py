@@ -110,8 +110,9 @@ framework):
   fused exactly when the row compiles (auto).
 * `not_counted: {metric: <reason>}` shows a measured metric without scoring it (the row's fit verdict still
   counts), e.g. a training-average throughput under a schedule the plan stands in for.
-* a row's `parallel:` may state `recompute_modules` (Megatron-core's names), `moment_dtype` and `float8_cache`
-  (Workload keys): DeepSeek-V3's report states its recomputed modules, bf16 AdamW moments and fp8 caching.
+* a row's `parallel:` may state `recompute_modules` (Megatron-core's names), `moment_dtype`, `master_dtype` and
+  `float8_cache` (Workload keys): DeepSeek-V3's report states its recomputed modules, bf16 AdamW moments and fp8
+  caching; the DGX Cloud Nemotron-4 340B benchmark's config a bf16 optimizer state (moments and parameter copy).
 * a row's `parallel.pp_partition` states how its layers were cut into pipeline stages: text starting with
   `type:transformer|embed` (DeepSpeed's partition method) or `weighted` gives Workload.pp_split weighted (the
   embedding and the head count as layers), `layers` the layers-only split; unstated, the regime's.
@@ -390,7 +391,7 @@ def build_case(row) -> Case:
         kw["pp_split"] = "layers"
     if fp16_ds:                 # 16-bit gradients accumulated by autograd
         kw.update(grad_dtype="bf16", grad_accum="autograd")
-    for key in ("moment_dtype", "float8_cache"):   # stated precisions of what is stored (optimizer, activations)
+    for key in ("moment_dtype", "master_dtype", "float8_cache"):   # stated precisions of what is stored
         if par.get(key):
             kw[key] = str(par[key])
     if source == "megatron":

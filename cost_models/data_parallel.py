@@ -241,5 +241,9 @@ def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple
     red, gath, red_tail, gath_tail = reduce(local), gather(local), reduce(tail), gather(tail)
     dp = (np.maximum(red - ov * (st["B"] + st["W"]), red_tail)
           + np.maximum(gath - ov * st["F"], gath_tail))
-    opt_bytes = 30.0 * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
+    # the optimizer step's traffic per parameter of the shard: 30 bytes with an fp32 master copy and fp32 moments
+    # (each read and written), less what bf16 copies save (master_dtype, moment_dtype)
+    per = 30.0 - 2.0 * (4.0 - workload.master_elem_bytes) * (workload.dtype != "fp32") \
+        - 4.0 * (4.0 - workload.moment_elem_bytes)
+    opt_bytes = per * (local / dpn if workload.zero >= 1 else local) + 2.0 * local
     return dp, opt_bytes

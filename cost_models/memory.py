@@ -248,7 +248,7 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
     edp = dp / table.ep
     sh = dense_p / dp + expert_p / edp
     z = workload.zero
-    master = 4.0 if workload.dtype == "bf16" else 0.0      # fp32 training needs no separate master copy
+    master = workload.master_elem_bytes                    # fp32 training needs no separate master copy
     params = e * (sh if z >= 3 else local)
     grads = workload.grad_elem_bytes * (sh if z >= 2 else local)
     if workload.grad_accum_mode == "hp_copy":              # the BF16 optimizer's low-precision .grad, kept
@@ -257,7 +257,7 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
             grads = grads + 4.0 * rp[f"{which}_tensor"]
     moments = 2.0 * workload.moment_elem_bytes               # exp_avg, exp_avg_sq (moment_dtype)
     optimizer = (moments + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
-    if caching_allocator and master > 0 and workload.grad_elem_bytes < 4.0 and workload.grad_accum_mode == "autograd":
+    if caching_allocator and master >= 4.0 and workload.grad_elem_bytes < 4.0 and workload.grad_accum_mode == "autograd":
         optimizer = optimizer + 4.0 * (sh if z >= 1 else local)          # the step's fp32 gradient partition
         if z >= 1:
             grads = grads + np.where(table.pp > 1, DEEPSPEED_REDUCE_BUCKET * workload.grad_elem_bytes, 0.0)

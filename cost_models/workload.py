@@ -141,6 +141,11 @@ class Workload:
     AdamW optimizer ... the master weights ... and gradients ... are still retained in FP32"; Megatron-core's
     ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype bf16``): 4 instead of 8 optimizer bytes per parameter, the
     master copy unchanged.
+    ``master_dtype`` is the megatron layout's optimizer copy of the parameters (its shard under ZeRO >= 1):
+    ``fp32`` (Megatron-LM's distributed optimizer, DeepSpeed) or ``bf16`` (no fp32 copy: the optimizer keeps its
+    parameter shard in the bf16 of the model -- Apex's DistributedFusedAdam with ``dtype`` bf16, as NeMo's
+    ``optim: {name: distributed_fused_adam, dtype: bf16}`` configures it, e.g. NVIDIA's DGX Cloud Nemotron-4
+    340B benchmark; Megatron-core's ``--main-params-dtype``): 2 instead of 4 optimizer bytes per parameter.
     ``float8_cache`` is what float8 linears keep for backward (read only with float8 on): ``auto`` (the
     coefficients' ``float8_saved_input_fraction``; by default torchao's tensorwise Float8Linear, which keeps
     the high-precision input), ``fp8`` (each linear keeps its 1-byte fp8 input, the attention kernel its own
@@ -206,6 +211,7 @@ class Workload:
     gqa_kv: Literal["auto", "expanded", "native"] = "auto"    # GQA K/V: repeated to n_heads, or as they are
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     moment_dtype: Literal["fp32", "bf16"] = "fp32"            # AdamW's exp_avg and exp_avg_sq
+    master_dtype: Literal["fp32", "bf16"] = "fp32"            # megatron layout: the optimizer's parameter copy
     float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
@@ -221,6 +227,9 @@ class Workload:
         if self.grad_dtype != "fp32" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'grad_dtype' is {self.grad_dtype!r} with state_layout "
                             f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: fp32)")
+        if self.master_dtype != "fp32" and self.state_layout != "megatron":
+            raise SpecError(f"workload key 'master_dtype' is {self.master_dtype!r} with state_layout "
+                            f"{self.state_layout!r}: fsdp2's parameters are the fp32 master copy (allowed: fp32)")
         if self.pp_grad_sync != "last_microbatch" and self.state_layout != "fsdp2":
             raise SpecError(f"workload key 'pp_grad_sync' is {self.pp_grad_sync!r} with state_layout "
                             f"{self.state_layout!r}: the megatron layout reduces its gradient buffer once per step "
@@ -237,6 +246,14 @@ class Workload:
         """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
         layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
         return 2.0 if self.state_layout == "megatron" and self.grad_dtype == "bf16" else 4.0
+
+    @property
+    def master_elem_bytes(self) -> float:
+        """Bytes of one element of the optimizer's parameter copy (``master_dtype``) in bf16 training; fp32
+        training updates its parameters in place (no copy)."""
+        if self.dtype == "fp32":
+            return 0.0
+        return 2.0 if self.master_dtype == "bf16" else 4.0
 
     @property
     def moment_elem_bytes(self) -> float:

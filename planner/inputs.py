@@ -32,7 +32,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "swiglu_impl", "gqa_kv", "grad_dtype", "loss_impl",
                   "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_recv_buffers", "pp_grad_sync", "pp_split",
-                  "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "float8_cache")
+                  "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "master_dtype", "float8_cache")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -108,6 +108,9 @@ WORKLOAD_HELP = {
     "moment_dtype": "AdamW's two moments: fp32 (default; titan-run) or bf16 (DeepSeek-V3, arXiv:2412.19437 Sec. "
                     "3.3.3; Megatron-core's --exp-avg-dtype bf16): 4 instead of 8 optimizer bytes per parameter, the "
                     "fp32 master copy unchanged",
+    "master_dtype": "megatron layout: the optimizer's copy of the parameters, fp32 (default) or bf16 (no fp32 "
+                    "copy: Apex's DistributedFusedAdam with dtype bf16, NeMo's distributed_fused_adam; Megatron-core's "
+                    "--main-params-dtype): 2 instead of 4 optimizer bytes per parameter",
     "float8_cache": "what float8 linears keep for backward (with --float8): auto (default: the coefficients' "
                     "float8_saved_input_fraction, torchao's high-precision input; titan-run), fp8 (1-byte inputs, "
                     "attention keeps its own output: Transformer Engine) or fine_grained (DeepSeek-V3 Sec. 3.3.3: "
