@@ -46,7 +46,8 @@ Mapping rules (stated once, applied to every row):
 
 Rules for the extra set (same loader; a row's `framework:` key, else its id prefix, picks the
 framework):
-* `model:` may name a preset (`preset: llama3-405b`) or give the dims inline, with `mlp`, `norm`
+* `model:` may name a preset (`preset: llama3-405b`) or give the dims inline (a mixture of experts with
+  `n_experts`, `top_k`, `moe_ffn_hidden`, `n_shared_experts`, `n_dense_layers`), with `mlp`, `norm`
   and `tie_embeddings` where the family differs from Llama's (MPT: gelu, layernorm, tied).
 * hardware: a row's `hardware.nic_gbps` / `gpus_per_nic` (the cluster's NICs as its source states
   them, e.g. BLOOM's Jean Zay: 4 Omni-Path 100 Gb/s links per 8-GPU node) replace the preset's.
@@ -260,6 +261,10 @@ def _model(row) -> object:
     if gpt:
         d.update(mlp="gelu", norm="layernorm")
     d.update({k: m[k] for k in ("mlp", "norm", "tie_embeddings") if k in m})
+    # a mixture of experts stated inline (ModelSpec's keys): routed experts, top-k, their width, shared experts and
+    # the dense layers before the first MoE layer
+    d.update({k: int(m[k]) for k in ("n_experts", "top_k", "moe_ffn_hidden", "n_shared_experts", "n_dense_layers")
+              if k in m})
     return model_from_dict(d)
 
 
