@@ -382,7 +382,8 @@ def build_case(row) -> Case:
     kw.update(state_layout=state, zero=zero, norm_impl=norm,
               ep_a2a_overlap=str(recipe.get("ep_a2a_overlap", "none")),
               moe_weighting=str(recipe.get("moe_weighting", "auto")),
-              ep_dispatch=str(recipe.get("ep_dispatch", "auto")))
+              ep_dispatch=str(recipe.get("ep_dispatch", "auto")),
+              expert_tp=str(recipe.get("expert_tp", "auto")))
     if materialized and "sequence_parallel" in par:
         kw["sequence_parallel"] = bool(par["sequence_parallel"])
     if modules:

@@ -17,10 +17,12 @@ from .layout import layer_mix, layers_per_rank, rank_params
 from .flops import param_counts as model_param_counts
 
 
-def layout_facts(table, model, weighted: bool = False) -> dict:
+def layout_facts(table, model, weighted: bool = False, experts_tp_split: bool = True,
+                 moe_ffn_tp_split: bool = True) -> dict:
     """The layout facts `data_parallel` needs (rank parameters, blocks and block mix of the busiest rank);
-    `weighted`: workload ``pp_split: weighted``."""
-    return {"rp": rank_params(table, model, weighted), "nblocks": layers_per_rank(table, model, weighted),
+    `weighted`: workload ``pp_split: weighted``; `experts_tp_split`, `moe_ffn_tp_split`: workload ``expert_tp``."""
+    return {"rp": rank_params(table, model, weighted, experts_tp_split, moe_ffn_tp_split),
+            "nblocks": layers_per_rank(table, model, weighted),
             "mix": layer_mix(table, model, first=False, weighted=weighted)}
 
 
@@ -51,7 +53,8 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
-    facts = facts or layout_facts(table, model, workload.pp_weighted)   # (`facts`: computed once per distinct layout, broadcast)
+    facts = facts or layout_facts(table, model, workload.pp_weighted, workload.experts_tp_split,
+                                  workload.moe_ffn_tp_split)   # (`facts`: computed once per distinct layout, broadcast)
     if workload.state_layout == "fsdp2":
         return _fsdp2_data_parallel(table, coeffs, links, r, st, facts, workload.pp_defers_grad_sync)
     return _megatron_data_parallel(table, model, hw, workload, coeffs, st, facts["rp"])

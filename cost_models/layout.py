@@ -260,12 +260,14 @@ def v_schedule(table) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- parameters per rank
-def rank_params(table, model, weighted: bool = False) -> dict[str, np.ndarray]:
+def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = True,
+                moe_ffn_tp_split: bool = True) -> dict[str, np.ndarray]:
     """Local (TP/EP-sharded, not yet FSDP-sharded) parameter counts of the first, last and busiest
     pipeline ranks (keys ``{rank}_dense``, ``{rank}_expert``, ``{rank}_unit``: the largest FSDP unit,
     ``{rank}_tensor``: the largest parameter tensor,
     ``{rank}_has_head``, ``{rank}_has_emb``), and of one block (``dense_block``, ``moe_dense_block``,
-    ``moe_expert_block``)."""
+    ``moe_expert_block``).  `experts_tp_split` False (workload ``expert_tp``): the routed experts are whole on
+    every TP rank; `moe_ffn_tp_split` False: so are a MoE block's router and shared experts (titan-run)."""
     pc = param_counts(model)
     tp = table.tp.astype(np.float64)
 
@@ -279,8 +281,10 @@ def rank_params(table, model, weighted: bool = False) -> dict[str, np.ndarray]:
     dense_block = sharded(layer_matmuls(model, False)) + norm_params(model)
     if model.is_moe:
         mm = layer_matmuls(model, True)
-        moe_dense = sharded([m for m in mm if not m.expert]) + norm_params(model)
-        moe_expert = sharded([m for m in mm if m.expert], local_experts)
+        ffn_whole = lambda m: m.group == "ffn" and not moe_ffn_tp_split    # noqa: E731 (replicated over TP)
+        moe_dense = (sharded([m for m in mm if not m.expert and not ffn_whole(m)])
+                     + sum(m.params for m in mm if not m.expert and ffn_whole(m)) + norm_params(model))
+        moe_expert = sharded([m for m in mm if m.expert], local_experts) * (1.0 if experts_tp_split else tp)
     else:
         moe_dense = moe_expert = 0.0 * tp
     emb, head = pc["embedding"] / tp, (pc["lm_head"] / tp) + pc["final_norm"]

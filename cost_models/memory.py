@@ -91,7 +91,7 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     n = len(table)
     caching_allocator, frag, nccl = _allocator_terms(table, coeffs, caching_allocator, hw)
     shared = _shared_activation_terms(table, model, workload, coeffs)
-    rp = rank_params(table, model, workload.pp_weighted)
+    rp = rank_params(table, model, workload.pp_weighted, workload.experts_tp_split, workload.moe_ffn_tp_split)
     results = {}
     for which in RANKS:
         if workload.state_layout == "fsdp2":
@@ -245,7 +245,8 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
     dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
     local = dense_p + expert_p
     dp = table.dp_cp.astype(np.float64)
-    edp = dp / table.ep
+    # whole experts (expert_tp 1) are data-parallel over the TP ranks too: the same optimizer shard per rank
+    edp = dp / table.ep * (1.0 if workload.experts_tp_split else table.tp)
     sh = dense_p / dp + expert_p / edp
     z = workload.zero
     master = workload.master_elem_bytes                    # fp32 training needs no separate master copy

@@ -57,12 +57,15 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
     for moe in (False, True):
         if moe and not model.is_moe:
             continue
-        blk = _block_times(table, model, workload, coeffs, r, moe, tokens, tp, attn, tp_coll)
+        coll = tp_coll if not moe or workload.moe_ffn_tp_split else _attention_side_only(tp_coll)
+        blk = _block_times(table, model, workload, coeffs, r, moe, tokens, tp, attn, coll)
         one = {"F": blk["f"], "B": blk["b"], "W": blk["w"], "tp_f": blk["tpf"], "tp_b": blk["tpb"],
                "cp_f": cp_f, "cp_b": np.where(ac_full, cp_f, 0.0) + cp_b}
         if moe:
             one["ep_f"], one["ep_b"] = _ep_exposed(table, model, hw, coeffs, links["ep"], r, tokens, tp,
                                                    blk["gpu_f"], blk["gpu_b"], workload)
+            g_f, g_b = _expert_tp_gathers(table, model, workload, links["tp"], r, tokens, tp)
+            one["tp_f"], one["tp_b"] = one["tp_f"] + g_f, one["tp_b"] + g_b
         per_block[moe] = one
     head = head_times(model, workload, r, tokens, tp)
     if model.mtp_layers:
@@ -156,6 +159,17 @@ def _tp_collectives(table, model, workload, tp_link, r: Rates, tokens, tp) -> tu
     tp_rec = sum(rec)
     n_coll = np.where(tp > 1, 4.0 if workload.sequence_parallel else 2.0, 0.0)   # launches per direction
     return tp_one, tp_rec, n_coll, (fwd, bwd, rec)
+
+
+def _attention_side_only(tp_coll) -> tuple:
+    """`_tp_collectives` of a block whose FFN runs whole on every TP rank (a titan-run MoE layer, on its
+    sequence-parallel tokens: `Workload.moe_ffn_tp_split`): the attention side's collectives alone."""
+    tp_one, _, n_coll, (fwd, bwd, rec) = tp_coll
+    keep = [i for i, name in enumerate(TP_SIDES) if name.startswith("attn")]
+    fwd = tuple(v if i in keep else 0.0 for i, v in enumerate(fwd))
+    bwd = tuple(v if i in keep else 0.0 for i, v in enumerate(bwd))
+    rec = [v if i in keep else 0.0 * v for i, v in enumerate(rec)]
+    return tp_one, sum(rec), n_coll / 2.0, (fwd, bwd, rec)
 
 
 def _tp_exposed(mm, model, workload, coeffs, tp, tp_one, sides) -> tuple[np.ndarray, np.ndarray]:
@@ -294,6 +308,24 @@ def _module_recompute(table, model, workload, coeffs, r: Rates, moe: bool, token
     if moe and workload.recomputes("moe_act") and not workload.recomputes("moe"):
         rec = rec + tokens * model.top_k * 3 * e * model.moe_ffn_hidden / tp / r.mem
     return rec
+
+
+def _expert_tp_gathers(table, model, workload, tp_link, r: Rates, tokens, tp) -> tuple[np.ndarray, np.ndarray]:
+    """Exposed TP collectives of Megatron's alltoall dispatcher for TP-split experts (workload ``expert_tp``), one
+    MoE block per micro-batch, forward and backward: with sequence parallelism each TP rank routes its sequence
+    shard, so after the all-to-all the routed tokens are all-gathered over TP (top_k x tokens x hidden) for the
+    split expert GEMMs and their output reduce-scattered before the way back (token_dispatcher.py
+    ``gather_from_sequence_parallel_region`` / ``reduce_scatter_to_sequence_parallel_region``), serially; backward
+    runs the mirror pair, and full or 'moe' recompute the forward pair again.  The megatron layout only
+    (titan-run and TorchTitan gather a block's tokens once before routing, the FFN side's collectives)."""
+    z = np.zeros(len(table))
+    if not (model.is_moe and workload.state_layout == "megatron" and workload.sequence_parallel
+            and workload.experts_tp_split):
+        return z, z
+    one = ring_gather_time(tp, tokens * model.top_k * model.dim * r.elt, tp_link.bw, tp_link.alpha)
+    one = np.where(tp > 1, one, 0.0)
+    rec = table.is_ac("full") | (table.is_ac("selective") & workload.recomputes("moe"))
+    return 2.0 * one, (2.0 + 2.0 * rec) * one
 
 
 def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, gpu_b,
@@ -460,7 +492,8 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
-    facts = _broadcast(layout_facts(sub, model, workload.pp_weighted), inverse)
+    facts = _broadcast(layout_facts(sub, model, workload.pp_weighted, workload.experts_tp_split,
+                                    workload.moe_ffn_tp_split), inverse)
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way

@@ -146,6 +146,18 @@ class Workload:
     parameter shard in the bf16 of the model -- Apex's DistributedFusedAdam with ``dtype`` bf16, as NeMo's
     ``optim: {name: distributed_fused_adam, dtype: bf16}`` configures it, e.g. NVIDIA's DGX Cloud Nemotron-4
     340B benchmark; Megatron-core's ``--main-params-dtype``): 2 instead of 4 optimizer bytes per parameter.
+    ``expert_tp`` is how a MoE layer's routed experts use tensor parallelism: ``tp`` (each expert's weights split
+    over the TP group like a dense FFN's: titan-run, and Megatron-core's default, ``expert_tensor_parallel_size`` =
+    TP, the only choice before Megatron-core 0.10) or ``1`` (whole experts on every TP rank, Megatron's
+    ``expert_tensor_parallel_size 1`` as Megatron-Bridge's DeepSeek-V3 and Qwen3 recipes set it: the expert
+    weights and gradients a rank holds are TP times larger, their optimizer shard the same, and no gather); ``auto``
+    is ``tp`` for the megatron layout and ``1`` for fsdp2, where titan-run keeps the whole MoE layer (router, routed
+    and shared experts) on every TP rank and runs it on the sequence-parallel tokens.  Under the megatron layout with TP > 1 and sequence parallelism, split experts cost Megatron's
+    alltoall dispatcher a TP all-gather of the routed tokens after the all-to-all and a reduce-scatter of the
+    experts' output before the way back (top_k x tokens x hidden each; the mirror pair backward), serial with the
+    expert GEMMs (megatron/core/transformer/moe/token_dispatcher.py, ``gather_from_sequence_parallel_region`` /
+    ``reduce_scatter_to_sequence_parallel_region`` on the TP group), outside Transformer Engine's userbuffer
+    overlap.
     ``float8_cache`` is what float8 linears keep for backward (read only with float8 on): ``auto`` (the
     coefficients' ``float8_saved_input_fraction``; by default torchao's tensorwise Float8Linear, which keeps
     the high-precision input), ``fp8`` (each linear keeps its 1-byte fp8 input, the attention kernel its own
@@ -212,6 +224,7 @@ class Workload:
     grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
     moment_dtype: Literal["fp32", "bf16"] = "fp32"            # AdamW's exp_avg and exp_avg_sq
     master_dtype: Literal["fp32", "bf16"] = "fp32"            # megatron layout: the optimizer's parameter copy
+    expert_tp: Literal["auto", "tp", "1"] = "auto"            # MoE: experts split over TP (tp) or whole (1)
     float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
     loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
@@ -246,6 +259,22 @@ class Workload:
         """Bytes per gradient element the optimizer's gradients are held and reduced in: the megatron
         layout's ``grad_dtype``; fsdp2 keeps fp32 gradients (its master parameters are fp32)."""
         return 2.0 if self.state_layout == "megatron" and self.grad_dtype == "bf16" else 4.0
+
+    @property
+    def experts_tp_split(self) -> bool:
+        """``expert_tp`` with ``auto`` resolved by the state layout: True when the routed experts' weights are split
+        over TP (megatron: Megatron-core's default), False when whole (fsdp2: titan-run)."""
+        if self.expert_tp == "auto":
+            return self.state_layout == "megatron"
+        return self.expert_tp == "tp"
+
+    @property
+    def moe_ffn_tp_split(self) -> bool:
+        """Whether a MoE block's router and shared experts are split over TP like a dense FFN (Megatron-core, and
+        any layout with ``expert_tp: tp``), or whole on every TP rank with the routed experts: titan-run runs the
+        MoE layer on its sequence-parallel tokens with router, routed and shared experts replicated over TP
+        (executor/parallel/tensor_parallel.py), no TP collective in it."""
+        return self.state_layout == "megatron" or self.experts_tp_split
 
     @property
     def master_elem_bytes(self) -> float:

@@ -321,6 +321,8 @@ _OTHER_FRAMEWORKS = (
      "titan-run's FSDP2 prefetches its all-gathers and overlaps its reduce-scatters (auto or full"),
     ("moment_dtype", lambda wl: wl.moment_dtype == "fp32",
      "titan-run's AdamW keeps fp32 moments on its fp32 master parameters (fp32"),
+    ("expert_tp", lambda wl: not wl.experts_tp_split,
+     "titan-run keeps a MoE layer's experts whole on every TP rank (auto or 1"),
     ("master_dtype", lambda wl: wl.master_dtype == "fp32",
      "titan-run's parameters are the optimizer's fp32 master copy (fp32"),
     ("float8_cache", lambda wl: wl.float8_cache == "auto",

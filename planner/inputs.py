@@ -32,7 +32,7 @@ WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
 WORKLOAD_FLAGS = ("dtype", "state_layout", "zero", "attention_impl", "dropout", "sequence_parallel",
                   "selective_ac", "recompute_modules", "tp_activations", "norm_impl", "swiglu_impl", "gqa_kv", "grad_dtype", "loss_impl",
                   "grad_accum", "ep_a2a_overlap", "moe_weighting", "ep_dispatch", "pp_sent_tensors", "pp_recv_buffers", "pp_grad_sync", "pp_split",
-                  "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "master_dtype", "float8_cache")
+                  "tp_comm_overlap", "dp_comm_overlap", "moment_dtype", "master_dtype", "expert_tp", "float8_cache")
 WORKLOAD_HELP = {
     "dtype": "compute dtype (default bf16; fp32 on CPU)",
     "state_layout": "how parameters, gradients and optimizer states are held: fsdp2 (this executor, "
@@ -111,6 +111,9 @@ WORKLOAD_HELP = {
     "master_dtype": "megatron layout: the optimizer's copy of the parameters, fp32 (default) or bf16 (no fp32 "
                     "copy: Apex's DistributedFusedAdam with dtype bf16, NeMo's distributed_fused_adam; Megatron-core's "
                     "--main-params-dtype): 2 instead of 4 optimizer bytes per parameter",
+    "expert_tp": "MoE: the routed experts split over TP (tp: Megatron-core's default expert_tensor_parallel_size) "
+                 "or whole on every TP rank (1: Megatron's expert_tensor_parallel_size 1; titan-run, which also keeps "
+                 "the router and shared experts whole); auto (default): tp for the megatron layout, 1 for fsdp2",
     "float8_cache": "what float8 linears keep for backward (with --float8): auto (default: the coefficients' "
                     "float8_saved_input_fraction, torchao's high-precision input; titan-run), fp8 (1-byte inputs, "
                     "attention keeps its own output: Transformer Engine) or fine_grained (DeepSeek-V3 Sec. 3.3.3: "
