@@ -56,8 +56,24 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     facts = facts or layout_facts(table, model, workload.pp_weighted, workload.experts_tp_split,
                                   workload.moe_ffn_tp_split)   # (`facts`: computed once per distinct layout, broadcast)
     if workload.state_layout == "fsdp2":
-        return _fsdp2_data_parallel(table, coeffs, links, r, st, facts, workload.pp_defers_grad_sync)
+        dp, opt = _fsdp2_data_parallel(table, coeffs, links, r, st, facts, workload.pp_defers_grad_sync)
+        return dp + _moe_tp_grad_sum(table, model, workload, links, facts), opt
     return _megatron_data_parallel(table, model, hw, workload, coeffs, st, facts["rp"])
+
+
+def _moe_tp_grad_sum(table, model, workload, links, facts: dict) -> np.ndarray:
+    """titan-run's MoE layers run whole on each TP rank's own sequence-parallel tokens (``moe_ffn_tp_split``
+    False), so after backward each rank holds gradients of different tokens: one flat all-reduce over TP of the
+    MoE gradient shards per step (executor/moe_step.py ``sum_moe_grads_over_tp``; the spmd_types backend reduces
+    the same pending sums), fp32, on the busiest rank's MoE blocks, exposed."""
+    if not model.is_moe or workload.moe_ffn_tp_split:
+        return np.zeros(len(table))
+    rp = facts["rp"]
+    _, nm = facts["mix"]
+    fsdp_n = table.fsdp_size.astype(np.float64)
+    shard = nm * (rp["moe_ffn_block"] / fsdp_n + rp["moe_expert_block"] / (fsdp_n / table.ep))
+    tl = links["tp"]
+    return np.where(table.tp > 1, all_reduce_time(table.tp, 4.0 * shard, tl.bw, tl.alpha, tl.tree_latency), 0.0)
 
 
 def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict,

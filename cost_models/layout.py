@@ -266,7 +266,7 @@ def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = T
     pipeline ranks (keys ``{rank}_dense``, ``{rank}_expert``, ``{rank}_unit``: the largest FSDP unit,
     ``{rank}_tensor``: the largest parameter tensor,
     ``{rank}_has_head``, ``{rank}_has_emb``), and of one block (``dense_block``, ``moe_dense_block``,
-    ``moe_expert_block``).  `experts_tp_split` False (workload ``expert_tp``): the routed experts are whole on
+    ``moe_expert_block``; ``moe_ffn_block``: a MoE block's router and shared experts).  `experts_tp_split` False (workload ``expert_tp``): the routed experts are whole on
     every TP rank; `moe_ffn_tp_split` False: so are a MoE block's router and shared experts (titan-run)."""
     pc = param_counts(model)
     tp = table.tp.astype(np.float64)
@@ -284,9 +284,12 @@ def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = T
         ffn_whole = lambda m: m.group == "ffn" and not moe_ffn_tp_split    # noqa: E731 (replicated over TP)
         moe_dense = (sharded([m for m in mm if not m.expert and not ffn_whole(m)])
                      + sum(m.params for m in mm if not m.expert and ffn_whole(m)) + norm_params(model))
+        # the MoE layer's own non-expert weights (router, shared experts), as this rank holds them
+        moe_ffn = (sharded([m for m in mm if not m.expert and m.group == "ffn" and not ffn_whole(m)])
+                   + sum(m.params for m in mm if not m.expert and ffn_whole(m)))
         moe_expert = sharded([m for m in mm if m.expert], local_experts) * (1.0 if experts_tp_split else tp)
     else:
-        moe_dense = moe_expert = 0.0 * tp
+        moe_dense = moe_expert = moe_ffn = 0.0 * tp
     emb, head = pc["embedding"] / tp, (pc["lm_head"] / tp) + pc["final_norm"]
 
     def largest(mms, moe_local=1.0):
@@ -330,6 +333,7 @@ def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = T
         out[f"{which}_has_emb"] = has_emb
         out[f"{which}_layers"] = (nd, nm)
     out["dense_block"], out["moe_dense_block"], out["moe_expert_block"] = dense_block, moe_dense, moe_expert
+    out["moe_ffn_block"] = moe_ffn + 0.0 * tp
     return out
 
 

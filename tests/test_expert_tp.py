@@ -82,3 +82,24 @@ def test_grok1_rows_with_the_gather_are_within_3_percent_in_bf16():
 
 def test_titan_run_refuses_split_experts(tmp_path):
     assert_titan_run_refuses(tmp_path, "expert_tp", "tp", ["auto", "1"])
+
+
+def test_titan_run_sums_its_moe_gradients_over_tp_once_a_step():
+    """fsdp2 (titan-run): whole MoE layers on each TP rank's own tokens, so one fp32 all-reduce over TP of the MoE
+    gradient shards (router and shared experts over the FSDP group, the local experts over the expert-FSDP group)
+    joins the data-parallel time; none at TP 1 or under the megatron layout."""
+    from cost_models import data_parallel as D
+    from cost_models.comm import all_reduce_time
+    from cost_models.flops import param_counts
+    model = load_model("moe-debug")
+    t = CandidateTable.from_plans([Plan(dp_shard=4, tp=2, ep=2, n_microbatches=2), Plan(dp_shard=8, ep=2)])
+    wl = Workload(seq_len=256, global_batch=16)
+    facts = D.layout_facts(t, model, False, wl.experts_tp_split, wl.moe_ffn_tp_split)
+    links = axis_links(t, HW, Coefficients())
+    got = D._moe_tp_grad_sum(t, model, wl, links, facts)
+    pc = param_counts(model)
+    per_layer = (pc["router"] + pc["shared_experts"]) / 4 + pc["expert"] * model.n_experts / 2 / 2
+    want = all_reduce_time(np.array([2]), 4.0 * model.n_moe_layers * per_layer, links["tp"].bw[:1],
+                           links["tp"].alpha[:1], links["tp"].tree_latency[:1])
+    assert got[0] == pytest.approx(float(want[0])) and got[0] > 0 and got[1] == 0
+    assert not D._moe_tp_grad_sum(t, model, _wl(), links, facts).any()
