@@ -74,3 +74,15 @@ def assert_titan_run_refuses(tmp_path, key: str, refused, accepted, *, model: st
     for v in accepted:
         write(v)
         assert getattr(load_run_config(str(f), [], world_size=2).workload, key) == v
+
+
+def run_config_with_model_key(tmp_path, key: str, value):
+    """titan-run's config of a one-process plan whose model is llama3-debug with model key `key` set to `value`
+    (what a model file describing another framework's model may carry); raises its ConfigError."""
+    from executor.config import load_run_config   # lazy: the cost-model tests stay torch-free
+    spec = {**load_model("llama3-debug").to_dict(), "name": f"debug-{key}", key: value}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"model": str(tmp_path / "m.yaml"), "plan": {"microbatch": 2},
+                                    "workload": {"seq_len": 64, "global_batch": 2}}))
+    return load_run_config(str(plan), [], world_size=1)

@@ -179,16 +179,8 @@ def test_the_oom_layouts_do_not_fit():
 def test_titan_run_refuses_a_model_with_an_embedding_norm(tmp_path):
     """embed_norm describes other frameworks' models to the cost model; titan-run would build the model without it,
     so it refuses the key in one line instead of training a different model."""
-    import yaml
-    from cost_models.specs import load_model
-    from executor.config import ConfigError, load_run_config   # lazy: the cost-model tests stay torch-free
-    spec = {**load_model("llama3-debug").to_dict(), "name": "debug-embed-norm", "embed_norm": True}
-    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(yaml.safe_dump({"model": str(tmp_path / "m.yaml"), "plan": {"microbatch": 2},
-                                    "workload": {"seq_len": 64, "global_batch": 2}}))
+    from executor.config import ConfigError   # lazy: the cost-model tests stay torch-free
+    from tests.cost_model_helpers import run_config_with_model_key
     with pytest.raises(ConfigError, match="model key 'embed_norm' is true.*set it false"):
-        load_run_config(str(plan), [], world_size=1)
-    spec["embed_norm"] = False
-    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
-    assert not load_run_config(str(plan), [], world_size=1).spec.embed_norm
+        run_config_with_model_key(tmp_path, "embed_norm", True)
+    assert not run_config_with_model_key(tmp_path, "embed_norm", False).spec.embed_norm

@@ -96,12 +96,8 @@ def test_megatron_bridge_deepseek_v3_row_with_its_stated_mtp_and_layout():
 
 
 def test_titan_run_refuses_an_mtp_model(tmp_path):
-    import yaml
-    from executor.config import ConfigError, load_run_config   # lazy: the cost-model tests stay torch-free
-    spec = {**load_model("llama3-debug").to_dict(), "name": "debug-mtp", "mtp_layers": 1}
-    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(yaml.safe_dump({"model": str(tmp_path / "m.yaml"), "plan": {"microbatch": 2},
-                                    "workload": {"seq_len": 64, "global_batch": 2}}))
+    from executor.config import ConfigError   # lazy: the cost-model tests stay torch-free
+    from tests.cost_model_helpers import run_config_with_model_key
     with pytest.raises(ConfigError, match="model key 'mtp_layers' is 1.*set it 0"):
-        load_run_config(str(plan), [], world_size=1)
+        run_config_with_model_key(tmp_path, "mtp_layers", 1)
+    assert run_config_with_model_key(tmp_path, "mtp_layers", 0).spec.mtp_layers == 0
