@@ -266,8 +266,9 @@ def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = T
     pipeline ranks (keys ``{rank}_dense``, ``{rank}_expert``, ``{rank}_unit``: the largest FSDP unit,
     ``{rank}_tensor``: the largest parameter tensor,
     ``{rank}_has_head``, ``{rank}_has_emb``), and of one block (``dense_block``, ``moe_dense_block``,
-    ``moe_expert_block``; ``moe_ffn_block``: a MoE block's router and shared experts).  `experts_tp_split` False (workload ``expert_tp``): the routed experts are whole on
-    every TP rank; `moe_ffn_tp_split` False: so are a MoE block's router and shared experts (titan-run)."""
+    ``moe_expert_block``; ``moe_ffn_block``: a MoE block's router and shared experts).  `experts_tp_split` False
+    (workload ``expert_tp``): the routed experts are whole on every TP rank; `moe_ffn_tp_split` False: so are a MoE
+    block's router and shared experts (titan-run)."""
     pc = param_counts(model)
     tp = table.tp.astype(np.float64)
 
