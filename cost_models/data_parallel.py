@@ -53,8 +53,7 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
-    facts = facts or layout_facts(table, model, workload.pp_weighted, workload.experts_tp_split,
-                                  workload.moe_ffn_tp_split)   # (`facts`: computed once per distinct layout, broadcast)
+    facts = facts or layout_facts(table, model, **workload.layout_keys)   # (`facts`: computed once per layout, broadcast)
     if workload.state_layout == "fsdp2":
         dp, opt = _fsdp2_data_parallel(table, coeffs, links, r, st, facts, workload.pp_defers_grad_sync)
         return dp + _moe_tp_grad_sum(table, model, workload, links, facts), opt

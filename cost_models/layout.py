@@ -142,23 +142,24 @@ def rank_index(table, model, which: str, weighted: bool = False) -> np.ndarray:
     if which == "last":
         return pp - 1
     assert which == "busiest", which
-    # the first rank whose first stage holds no dense block: it, or the last rank, has the most MoE
-    # blocks (stage sizes fall with the stage id; under V the second stage's grow with the rank)
-    s, base, extra, w = _split(table, model.n_layers, weighted)
     nd = model.n_layers - model.n_moe_layers
-    big = extra * (base + 1)                          # units in the larger stages
-    u = nd + w                                        # the unit of the first MoE block
-    s_moe = np.where(u <= big, -(-u // (base + 1)), extra + -(-(u - big) // np.maximum(base, 1)))
     first, second, last, v_pair = _candidate_ranks(table, model.n_layers, weighted)
-
-    def rank_of(stage):           # the loop placement's rank s mod pp; V: stage s >= pp on rank 2 pp - 1 - s
-        stage = np.clip(stage, 0, s - 1)
-        return np.where(table.is_v_schedule & (stage >= pp), 2 * pp - 1 - stage, stage % np.maximum(pp, 1))
-    # and the ranks of the stages around the dense/MoE boundary (the stage holding the last dense block and the
-    # next), whose MoE blocks tie with the others' when the dense prefix spans several rounds of stages
-    cands = [first, np.minimum(s_moe, pp - 1), last, second, v_pair, rank_of(s_moe - 1), rank_of(s_moe)]
     if model.n_moe_layers == 0:       # no MoE block anywhere: the rank with the most blocks (`_candidate_ranks`)
         cands = [first, last, second, v_pair]
+    else:
+        # the first rank whose first stage holds no dense block: it, or the last rank, has the most MoE
+        # blocks (stage sizes fall with the stage id; under V the second stage's grow with the rank)
+        s, base, extra, w = _split(table, model.n_layers, weighted)
+        big = extra * (base + 1)                          # units in the larger stages
+        u = nd + w                                        # the unit of the first MoE block
+        s_moe = np.where(u <= big, -(-u // (base + 1)), extra + -(-(u - big) // np.maximum(base, 1)))
+
+        def rank_of(stage):       # the loop placement's rank s mod pp; V: stage s >= pp on rank 2 pp - 1 - s
+            stage = np.clip(stage, 0, s - 1)
+            return np.where(table.is_v_schedule & (stage >= pp), 2 * pp - 1 - stage, stage % np.maximum(pp, 1))
+        # and the ranks of the stages around the dense/MoE boundary (the stage holding the last dense block and
+        # the next), whose MoE blocks tie with the others' when the dense prefix spans several rounds of stages
+        cands = [first, np.minimum(s_moe, pp - 1), last, second, v_pair, rank_of(s_moe - 1), rank_of(s_moe)]
     best, key = cands[0], None
     for r in cands:
         tot, dense = rank_layers(table, model.n_layers, r, nd, weighted)

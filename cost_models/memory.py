@@ -91,7 +91,7 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     n = len(table)
     caching_allocator, frag, nccl = _allocator_terms(table, coeffs, caching_allocator, hw)
     shared = _shared_activation_terms(table, model, workload, coeffs)
-    rp = rank_params(table, model, workload.pp_weighted, workload.experts_tp_split, workload.moe_ffn_tp_split)
+    rp = rank_params(table, model, **workload.layout_keys)
     results = {}
     for which in RANKS:
         if workload.state_layout == "fsdp2":

@@ -492,8 +492,7 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
-    facts = _broadcast(layout_facts(sub, model, workload.pp_weighted, workload.experts_tp_split,
-                                    workload.moe_ffn_tp_split), inverse)
+    facts = _broadcast(layout_facts(sub, model, **workload.layout_keys), inverse)
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way

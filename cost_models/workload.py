@@ -147,13 +147,13 @@ class Workload:
     ``optim: {name: distributed_fused_adam, dtype: bf16}`` configures it, e.g. NVIDIA's DGX Cloud Nemotron-4
     340B benchmark; Megatron-core's ``--main-params-dtype``): 2 instead of 4 optimizer bytes per parameter.
     ``expert_tp`` is how a MoE layer's routed experts use tensor parallelism: ``tp`` (each expert's weights split
-    over the TP group like a dense FFN's: titan-run, and Megatron-core's default, ``expert_tensor_parallel_size`` =
-    TP, the only choice before Megatron-core 0.10) or ``1`` (whole experts on every TP rank, Megatron's
+    over the TP group like a dense FFN's: Megatron-core's default, ``expert_tensor_parallel_size`` = TP, the only
+    choice before Megatron-core 0.10) or ``1`` (whole experts on every TP rank, Megatron's
     ``expert_tensor_parallel_size 1`` as Megatron-Bridge's DeepSeek-V3 and Qwen3 recipes set it: the expert
     weights and gradients a rank holds are TP times larger, their optimizer shard the same, and no gather); ``auto``
     is ``tp`` for the megatron layout and ``1`` for fsdp2, where titan-run keeps the whole MoE layer (router, routed
-    and shared experts) on every TP rank and runs it on the sequence-parallel tokens.  Under the megatron layout with TP > 1 and sequence parallelism, split experts cost Megatron's
-    alltoall dispatcher a TP all-gather of the routed tokens after the all-to-all and a reduce-scatter of the
+    and shared experts) on every TP rank and runs it on the sequence-parallel tokens.  Under the megatron layout
+    with TP > 1 and sequence parallelism, split experts cost Megatron's alltoall dispatcher a TP all-gather of the routed tokens after the all-to-all and a reduce-scatter of the
     experts' output before the way back (top_k x tokens x hidden each; the mirror pair backward), serial with the
     expert GEMMs (megatron/core/transformer/moe/token_dispatcher.py, ``gather_from_sequence_parallel_region`` /
     ``reduce_scatter_to_sequence_parallel_region`` on the TP group), outside Transformer Engine's userbuffer
@@ -275,6 +275,12 @@ class Workload:
         MoE layer on its sequence-parallel tokens with router, routed and shared experts replicated over TP
         (executor/parallel/tensor_parallel.py), no TP collective in it."""
         return self.state_layout == "megatron" or self.experts_tp_split
+
+    @property
+    def layout_keys(self) -> dict:
+        """What the parameter layout per rank depends on (`layout.rank_params`, `data_parallel.layout_facts`)."""
+        return {"weighted": self.pp_weighted, "experts_tp_split": self.experts_tp_split,
+                "moe_ffn_tp_split": self.moe_ffn_tp_split}
 
     @property
     def master_elem_bytes(self) -> float:

@@ -94,7 +94,7 @@ def test_titan_run_sums_its_moe_gradients_over_tp_once_a_step():
     model = load_model("moe-debug")
     t = CandidateTable.from_plans([Plan(dp_shard=4, tp=2, ep=2, n_microbatches=2), Plan(dp_shard=8, ep=2)])
     wl = Workload(seq_len=256, global_batch=16)
-    facts = D.layout_facts(t, model, False, wl.experts_tp_split, wl.moe_ffn_tp_split)
+    facts = D.layout_facts(t, model, **wl.layout_keys)
     links = axis_links(t, HW, Coefficients())
     got = D._moe_tp_grad_sum(t, model, wl, links, facts)
     pc = param_counts(model)
