@@ -61,6 +61,10 @@ framework):
   (framework deepspeed-zero3-2021: the DeepSpeed releases before the paper, v0.3.13-14) have no rules: they are
   kept with their reason, no regime describes them (docs/reference_data.md, "ZeRO-3 of 2021 (Narayanan et al.
   Table 2)").
+* zero-bubble-2023 (the Zero Bubble paper's rows, Qi et al. 2024): the megatron-2022 regime too -- the paper's
+  code at its release (sail-sg/zero-bubble-pipeline-parallelism 475e0629, 2023-12-21) is Megatron-LM's local
+  transformer and its example passes neither --use-flash-attn nor dropout flags (defaults: fused scaled-masked
+  softmax, attention and hidden dropout 0.1).
 * nemo-megatron-2022 (NeMo Megatron 22.09 launcher configs, A100): the Megatron rules with the
   Korthikanti regime (fused softmax, i.e. materialized attention, and dropout; sequence parallel as
   the config says), no TP overlap (userbuffers came later).  megatron-deepspeed-2022 (BLOOM's
@@ -185,7 +189,9 @@ FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-
                 "torchtitan": "torchtitan", "composer-fsdp": "composer", "llama3-meta": "llama3-meta",
                 "megatron-lm-2021": "megatron-2022",   # Narayanan et al. 2021: the same fused softmax and dropout
                 "fms-fsdp": "torchtitan",   # IBM fms-fsdp: PyTorch FSDP, SDPA, eager cross-entropy (no fused kernels)
-                "megatron-lm-2024": "megatron-lm",   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4, Zero Bubble)
+                "megatron-lm-2024": "megatron-lm",   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4)
+                # the Zero Bubble paper's Megatron-LM fork at its release (2023-12): no --use-flash-attn, default dropout
+                "zero-bubble-2023": "megatron-2022",
                 "deepseek-hai-llm": "deepseek-hai-llm"}   # cost_models/frameworks.py cites both stacks' facts
 # the sources whose framework holds Megatron's state (and fused kernels): the megatron rules below
 MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if get_framework(v).workload.get("state_layout") == "megatron")
