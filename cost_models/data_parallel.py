@@ -60,19 +60,32 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     return _megatron_data_parallel(table, model, hw, workload, coeffs, st, facts["rp"])
 
 
+# titan-run sums the MoE gradients over TP in buckets of at most this many bytes (executor/moe_step.py
+# ``sum_moe_grads_over_tp``): one all-reduce per bucket, and one bucket's flat copy as its temporary
+# (cost_models.memory), instead of a flat copy of all MoE gradients at the end of backward.
+MOE_TP_BUCKET_BYTES = 64 * 2**20
+
+
+def moe_tp_grad_bytes(table, model, rp, nm) -> np.ndarray:
+    """[n] fp32 bytes of the MoE gradient shards a rank with `nm` MoE blocks sums over TP after backward (titan-run,
+    ``moe_ffn_tp_split`` False): the router and shared experts FSDP-sharded, the routed experts over FSDP / EP."""
+    fsdp_n = table.fsdp_size.astype(np.float64)
+    return 4.0 * nm * (rp["moe_ffn_block"] / fsdp_n + rp["moe_expert_block"] / (fsdp_n / table.ep))
+
+
 def _moe_tp_grad_sum(table, model, workload, links, facts: dict) -> np.ndarray:
     """titan-run's MoE layers run whole on each TP rank's own sequence-parallel tokens (``moe_ffn_tp_split``
-    False), so after backward each rank holds gradients of different tokens: one flat all-reduce over TP of the
-    MoE gradient shards per step (executor/moe_step.py ``sum_moe_grads_over_tp``; the spmd_types backend reduces
-    the same pending sums), fp32, on the busiest rank's MoE blocks, exposed."""
+    False), so after backward each rank holds gradients of different tokens: all-reduces over TP of the MoE
+    gradient shards per step, one per bucket of `MOE_TP_BUCKET_BYTES` (executor/moe_step.py
+    ``sum_moe_grads_over_tp``; the spmd_types backend reduces the same pending sums), fp32, on the busiest rank's
+    MoE blocks, exposed."""
     if not model.is_moe or workload.moe_ffn_tp_split:
         return np.zeros(len(table))
-    rp = facts["rp"]
-    _, nm = facts["mix"]
-    fsdp_n = table.fsdp_size.astype(np.float64)
-    shard = nm * (rp["moe_ffn_block"] / fsdp_n + rp["moe_expert_block"] / (fsdp_n / table.ep))
+    total = moe_tp_grad_bytes(table, model, facts["rp"], facts["mix"][1])
+    buckets = np.maximum(1.0, np.ceil(total / MOE_TP_BUCKET_BYTES))
     tl = links["tp"]
-    return np.where(table.tp > 1, all_reduce_time(table.tp, 4.0 * shard, tl.bw, tl.alpha, tl.tree_latency), 0.0)
+    per = all_reduce_time(table.tp, total / buckets, tl.bw, tl.alpha, tl.tree_latency)
+    return np.where(table.tp > 1, buckets * per, 0.0)
 
 
 def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict,

@@ -13,6 +13,7 @@ from search_spaces.plan import BACKENDS
 
 from .activations import (embedding_activation_bytes, head_activation_bytes, per_layer_activation_bytes,
                           pipeline_extra_bytes)
+from .data_parallel import MOE_TP_BUCKET_BYTES, moe_tp_grad_bytes
 from .layout import (RANKS, expert_shard_fraction, in_flight_microbatches, in_flight_on_rank,  # noqa: F401
                      rank_index, rank_params)
 
@@ -102,6 +103,12 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
                                                                                  caching_allocator)
         acts, logits = _activation_bytes(table, model, rp, which, shared, coeffs, caching_allocator,
                                          fsdp, fsdp_at_turn, workload.pp_weighted)
+        if workload.state_layout == "fsdp2" and model.is_moe and not workload.moe_ffn_tp_split:
+            # titan-run's sum of the MoE gradients over TP after backward, when the activations are gone: one
+            # bucket's flat copy at a time (data_parallel.MOE_TP_BUCKET_BYTES); only its excess over the turn's
+            # activations and buffers can raise the peak
+            bucket = np.minimum(moe_tp_grad_bytes(table, model, rp, rp[f"{which}_layers"][1]), MOE_TP_BUCKET_BYTES)
+            fsdp = fsdp + np.where(table.tp > 1, np.maximum(0.0, bucket - (acts + logits + fsdp)), 0.0)
         overhead = coeffs.memory_overhead_bytes + frag * (acts + logits + fsdp) + nccl
         # With one backward pass over the step's activations (pp == 1 with one micro-batch, or
         # GPipe: all forwards first) the activation peak comes at the forward/backward turn, before

@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from cost_models.data_parallel import MOE_TP_BUCKET_BYTES
+
 from .init import local_shard
 
 
@@ -72,20 +74,39 @@ def set_aux_loss_scale(layers, spec, plan) -> float:
 
 
 # --------------------------------------------------------------------------- gradients
+def grad_buckets(grads: list[torch.Tensor], cap_bytes: int = MOE_TP_BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """`grads` in order, cut into consecutive buckets of at most `cap_bytes` each (a larger tensor alone)."""
+    buckets, cur, size = [], [], 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if cur and size + nbytes > cap_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(g)
+        size += nbytes
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
 @torch.no_grad()
-def sum_moe_grads_over_tp(params: list[nn.Parameter], tp_mesh) -> None:
-    """Sum the (local shards of the) MoE gradients over the tp group, in one flat all-reduce."""
+def sum_moe_grads_over_tp(params: list[nn.Parameter], tp_mesh, cap_bytes: int = MOE_TP_BUCKET_BYTES) -> None:
+    """Sum the (local shards of the) MoE gradients over the tp group: one all-reduce per bucket of at most
+    `cap_bytes` (a contiguous gradient alone in its bucket is reduced in place)."""
     grads = []
     for p in params:
         g = p.grad
         if g is None:
             continue
         grads.append(g.to_local() if isinstance(g, DTensor) else g)
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_mesh.get_group())
-    torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    group = tp_mesh.get_group()
+    for bucket in grad_buckets(grads, cap_bytes):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            dist.all_reduce(bucket[0], group=group)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(bucket, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
 
 
 # --------------------------------------------------------------------------- per-step figures
