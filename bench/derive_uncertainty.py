@@ -73,7 +73,7 @@ def residual_rows(cases):
                 w = {g: float(v[0]) for g, v in group_shares(est.time, TIME_GROUPS).items()}
                 out.append(("time", w, pred[metric] / meas - 1.0, reg, world))
                 continue
-            if metric == "peak_mem_gib":
+            if metric in ("peak_mem_gib", "nvidia_smi_gib"):   # a device's whole peak (nvidia-smi: + CUDA context)
                 w = {g: float(v[0]) for g, v in group_shares(est.memory, MEMORY_GROUPS).items()}
             elif metric == "params_opt_gib":
                 w = {g: float(g == "states") for g in MEMORY_GROUPS}
