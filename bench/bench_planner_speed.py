@@ -2,7 +2,8 @@
 
 Targets: enumeration + scoring <= 1 s in-process; the CLI <= 2 s cold.  Both search what `titan-plan` does
 for a question that states no pipeline split: the space under each split (``pp_split`` layers and weighted).
-Prints medians of several runs; the last line is the headline.
+Also reported, without a target: deepseek-v3-671b on 2,048 H800 with a 16M-token batch over the MoE space
+(over half a million candidates per split).  Prints medians of several runs; the last line is the headline.
 """
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ ARGS = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "
         "--global-batch-tokens", "16M"]
 
 
-def in_process(repeats: int = 5) -> tuple[float, int, int]:
+def in_process(repeats: int = 5, model_name: str = "llama3-405b", hardware: str = "h100-sxm", seq_len: int = 8192,
+               world: int = 16384, space_name: str = "dense") -> tuple[float, int, int]:
     from cost_models.specs import load_hardware, load_model
     from cost_models.workload import Workload
     from planner.rank import plan_candidates
     from search_spaces.space import load_space
 
-    model, hw = load_model("llama3-405b"), load_hardware("h100-sxm")
-    wl = Workload(seq_len=8192, global_batch=16 * 2 ** 20 // 8192)
-    space = load_space("dense")
+    model, hw = load_model(model_name), load_hardware(hardware)
+    wl = Workload(seq_len=seq_len, global_batch=16 * 2 ** 20 // seq_len)
+    space = load_space(space_name)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        res = plan_candidates(space, model, hw, wl, world_size=16384, pp_splits=("layers", "weighted"))
+        res = plan_candidates(space, model, hw, wl, world_size=world, pp_splits=("layers", "weighted"))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), res.n_candidates, res.n_feasible
 
@@ -45,6 +47,9 @@ def cold_cli(repeats: int = 3) -> float:
 
 
 if __name__ == "__main__":
+    t_moe, n_moe, feas_moe = in_process(3, "deepseek-v3-671b", "h800", 4096, 2048, "moe")
+    print(f"in-process, deepseek-v3-671b on 2,048 h800 (moe space, both splits): {n_moe:,} candidates "
+          f"({feas_moe:,} feasible), median {t_moe:.3f} s")
     t_in, n, feas = in_process()
     print(f"in-process enumerate+score: {n:,} candidates ({feas:,} feasible), median {t_in:.3f} s")
     t_cli = cold_cli()

@@ -22,12 +22,57 @@ whose compute paces the pipeline).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
 from .flops import NONE, layer_matmuls, norm_params, param_counts
 
 RANKS = ("first", "last", "busiest")
+
+# The table columns where the layers go depends on (`schedule` gives the V placement), and those a rank's
+# parameter counts add (the TP and EP shards of each block).
+LAYOUT_COLUMNS = ("pp", "stages_per_rank", "schedule")
+PARAM_COLUMNS = LAYOUT_COLUMNS + ("tp", "ep")
+
+
+# --------------------------------------------------------------------------- once per distinct layout
+def unique_rows(table, columns) -> tuple[np.ndarray, np.ndarray]:
+    """(index of one representative per distinct combination of `columns`, inverse map)."""
+    key = np.zeros(len(table), dtype=np.int64)
+    for c in columns:
+        v = getattr(table, c).astype(np.int64)
+        key = key * (int(v.max(initial=0)) + 1) + v
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
+def broadcast_rows(v, inverse):
+    """`v` (an array per representative row, or a dict / tuple of them; scalars pass) at every row of `inverse`."""
+    if isinstance(v, dict):
+        return {k: broadcast_rows(x, inverse) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return tuple(broadcast_rows(x, inverse) for x in v)
+    a = np.asarray(v)
+    return a[inverse] if a.ndim else a
+
+
+def per_layout(columns):
+    """Run the decorated ``fn(table, ...)`` once per distinct combination of `columns` (the only table columns
+    it reads) and broadcast its arrays back to every candidate: a search table holds a few hundred pipeline
+    layouts among hundreds of thousands of candidates."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(table, *args, **kwargs):
+            if not hasattr(table, "take") or len(table) < 2:
+                return fn(table, *args, **kwargs)
+            rep, inverse = unique_rows(table, columns)
+            if len(rep) == len(table):
+                return fn(table, *args, **kwargs)
+            return broadcast_rows(fn(table.take(rep), *args, **kwargs), inverse)
+        return inner
+    return wrap
 
 
 # --------------------------------------------------------------------------- the split (scalar)
@@ -123,6 +168,7 @@ def _candidate_ranks(table, n_layers: int, weighted: bool) -> list[np.ndarray]:
     return [np.zeros_like(pp), np.minimum(1, top), top, np.clip(2 * pp - extra, 0, top)]
 
 
+@per_layout(LAYOUT_COLUMNS)
 def busiest_rank_layers(table, n_layers: int, weighted: bool = False) -> np.ndarray:
     """Layers on the most loaded pipeline rank: ``v * base + ceil(extra / pp)`` under every placement of the
     layers-only split (the loop and the V placements both spread the extra layers of the first stages over
@@ -134,6 +180,7 @@ def busiest_rank_layers(table, n_layers: int, weighted: bool = False) -> np.ndar
                               for r in _candidate_ranks(table, n_layers, True)])
 
 
+@per_layout(LAYOUT_COLUMNS)
 def rank_index(table, model, which: str, weighted: bool = False) -> np.ndarray:
     """The pipeline rank `which` ('first', 'last' or 'busiest') of every candidate."""
     pp = table.pp.astype(np.int64)
@@ -171,6 +218,7 @@ def rank_index(table, model, which: str, weighted: bool = False) -> np.ndarray:
     return best
 
 
+@per_layout(LAYOUT_COLUMNS)
 def layer_mix(table, model, first: bool = False, *, which: str | None = None,
               weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(dense, moe) block counts on the first pipeline rank (`first`) or on the busiest one, or on
@@ -186,6 +234,7 @@ def layers_per_rank(table, model, weighted: bool = False) -> np.ndarray:
     return busiest_rank_layers(table, model.n_layers, weighted)
 
 
+@per_layout(LAYOUT_COLUMNS)
 def holds_ends(table, model, which: str, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(holds the embedding, holds the final norm and LM head): the ranks of stage 0 and stage S-1."""
     r = rank_index(table, model, which, weighted)
@@ -261,6 +310,7 @@ def v_schedule(table) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- parameters per rank
+@per_layout(PARAM_COLUMNS)
 def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = True,
                 moe_ffn_tp_split: bool = True) -> dict[str, np.ndarray]:
     """Local (TP/EP-sharded, not yet FSDP-sharded) parameter counts of the first, last and busiest

@@ -23,7 +23,7 @@ from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels
                       gemm_time, head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import ROW, attention_dims, layer_matmuls
-from .layout import holds_ends, layer_mix, mtp_blocks
+from .layout import broadcast_rows, holds_ends, layer_mix, mtp_blocks, unique_rows
 from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
@@ -449,27 +449,8 @@ def bubble_microbatches(table, F, B, W) -> np.ndarray:
     return np.where(table.pp > 1, bub, 0.0)
 
 
-def _broadcast(v, inverse):
-    if isinstance(v, dict):
-        return {k: _broadcast(x, inverse) for k, x in v.items()}
-    if isinstance(v, tuple):
-        return tuple(_broadcast(x, inverse) for x in v)
-    a = np.asarray(v)
-    return a[inverse] if a.ndim else a
-
-
 # the columns the per-micro-batch times of a rank depend on (TP/CP/EP links have strides 1 / tp / tp)
 STAGE_COLUMNS = ("tp", "cp", "ep", "microbatch", "pp", "stages_per_rank", "schedule", "ac", "compile", "float8")
-
-
-def unique_rows(table, columns) -> tuple[np.ndarray, np.ndarray]:
-    """(index of one representative per distinct combination of `columns`, inverse map)."""
-    key = np.zeros(len(table), dtype=np.int64)
-    for c in columns:
-        v = getattr(table, c).astype(np.int64)
-        key = key * (int(v.max(initial=0)) + 1) + v
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
 
 
 def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndarray]:
@@ -492,7 +473,7 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     body = np.where(v_shape, 0.0, 1.0)
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
 
-    facts = _broadcast(layout_facts(sub, model, **workload.layout_keys), inverse)
+    facts = broadcast_rows(layout_facts(sub, model, **workload.layout_keys), inverse)
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way

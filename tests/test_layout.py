@@ -177,3 +177,43 @@ def test_busiest_rank_with_long_dense_prefixes(weighted):
         for i, p in enumerate(plans):
             per_rank = [_executor_rank(L, p, r, n_dense, weighted) for r in range(p.pp)]
             assert (nm[i], nd[i] + nm[i]) == max((tot - d, tot) for tot, d, _, _ in per_rank), (L, n_dense, p.describe())
+
+
+def test_per_layout_functions_equal_their_per_candidate_form():
+    """The layout functions run once per distinct (pp, stages, schedule[, tp, ep]) and broadcast back
+    (`layout.per_layout`): on an enumerated MoE table with many candidates per layout, every array equals the
+    undecorated function's on the whole table, for both pipeline splits and every rank."""
+    import search_spaces.constraints as C
+    from cost_models import layout
+    from cost_models.specs import load_model
+    from search_spaces.enumerate import enumerate_plans
+    from search_spaces.space import load_space
+
+    model = load_model("deepseek-v3-671b")
+    target = C.Target.of(model, world_size=64, seq_len=4096, global_batch=128, gpus_per_node=8,
+                         float8_supported=True, pp_weighted=False)
+    table = enumerate_plans(load_space("moe"), target).table
+    assert len(table) > 10 * len(layout.unique_rows(table, layout.PARAM_COLUMNS)[0])    # many per layout
+
+    def same(a, b):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, tuple):
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            np.testing.assert_array_equal(np.broadcast_to(a, len(table)), np.broadcast_to(b, len(table)))
+
+    for weighted in (False, True):
+        same(layout.rank_params(table, model, weighted), layout.rank_params.__wrapped__(table, model, weighted))
+        same(layout.busiest_rank_layers(table, model.n_layers, weighted),
+             layout.busiest_rank_layers.__wrapped__(table, model.n_layers, weighted))
+        for which in layout.RANKS:
+            same(layout.rank_index(table, model, which, weighted),
+                 layout.rank_index.__wrapped__(table, model, which, weighted))
+            same(layout.layer_mix(table, model, which=which, weighted=weighted),
+                 layout.layer_mix.__wrapped__(table, model, which=which, weighted=weighted))
+            same(layout.holds_ends(table, model, which, weighted),
+                 layout.holds_ends.__wrapped__(table, model, which, weighted))
