@@ -135,7 +135,11 @@ def _fsdp2_data_parallel(table, coeffs, links, r: Rates, st, facts: dict,
     # not be able to overlap with anything"), and reduce-scattered last, after the whole backward:
     # both exposed, as are the first block's all-gather and the last reduce-scatter of the blocks.
     fwd_pass = ag_h + ag + nblocks * np.maximum(0.0, ag - ov * st["blockF"])
-    rs_pass = rs_h + rs + nblocks * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])   # with its RS
+    # without a pipeline the last block keeps its parameters after forward (backward starts with it; executor
+    # fsdp.py keep_last): one backward all-gather fewer
+    kept = rsf * (table.pp == 1)
+    rs_pass = (rs_h + rs + (nblocks - kept) * np.maximum(0.0, rs + ar + rsf * ag - ov * st["blockBW"])  # with its RS
+               + kept * np.maximum(0.0, rs + ar - ov * st["blockBW"]))
     ag_b_pass = nblocks * np.maximum(0.0, ag - ov * st["blockBW"])   # a backward without one (pp > 1)
     piped = fwd_pass + rs_pass + rsf * np.maximum(nmb - 1, 0) * ag_b_pass
     # pp_grad_sync every_microbatch: every micro-batch reduce-scatters its gradients (blocks and root), and with

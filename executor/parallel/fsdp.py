@@ -15,9 +15,11 @@ ranks, so the divide factor is set to every data-parallel rank
 On gloo (no PREMUL_SUM) the reduction is forced to SUM followed by that
 division (not when efsdp has one rank: FSDP then divides locally itself).
 
-Blocks use the plan's ``reshard_after_forward``; the root (embedding, final
-norm, LM head) keeps its parameters after forward, as the FSDP2 docs
-recommend, since backward needs them first.  Mixed precision: parameters are
+Blocks use the plan's ``reshard_after_forward``, except the last block when
+no pipeline runs (``keep_last``): backward starts with it, so FSDP would gather
+it again right after the loss (TorchTitan's default policy keeps it too); the
+root (embedding, final norm, LM head) keeps its parameters after forward, as
+the FSDP2 docs recommend, since backward needs them first.  Mixed precision: parameters are
 gathered in ``param_dtype`` (bf16 on GPU) and gradients reduced in fp32.
 
 spmd_types backend (:func:`apply_fsdp_spmd`, torch >= 2.14): every parameter
@@ -57,11 +59,19 @@ def _mp_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrec
                                 reduce_dtype=None if reduce_dtype == param_dtype == torch.float32 else reduce_dtype)
 
 
+def _reshard_per_block(model: nn.Module, reshard_after_forward: bool, keep_last: bool) -> dict[str, bool]:
+    """Each block's ``reshard_after_forward``: the plan's, but False for the last block under `keep_last`."""
+    keys = list(model.layers.keys())
+    return {k: reshard_after_forward and not (keep_last and k == keys[-1]) for k in keys}
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool, expert_mesh: DeviceMesh | None = None,
-               expert_divide_factor: int = 1) -> None:
+               expert_divide_factor: int = 1, keep_last: bool = False) -> None:
     mp = _mp_policy(param_dtype, reduce_dtype)
-    for block in model.layers.values():
+    per_block = _reshard_per_block(model, reshard_after_forward, keep_last)
+    for key, block in model.layers.items():
+        reshard_after_forward = per_block[key]
         if expert_mesh is not None and getattr(block, "moe_enabled", False):
             experts = block.feed_forward.experts
             # the all-to-all output is a view; the MoE layer only uses it out of place
@@ -256,7 +266,7 @@ def forget_mesh_caches() -> None:
 
 def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: torch.dtype,
                     reduce_dtype: torch.dtype, reshard_after_forward: bool, expert_mesh: DeviceMesh | None = None,
-                    expert_divide_factor: int = 1) -> None:
+                    expert_divide_factor: int = 1, keep_last: bool = False) -> None:
     """FSDP2 with typed params over `spmd_mesh`: its data-parallel axes (dp_replicate and/or dp_shard) and
     optionally ``tp``.  Every parameter is R on the dp axes; its tp type (set by
     ``spmd_tensor_parallel.apply_spmd_tp``) is kept, R where there is none.
@@ -286,7 +296,9 @@ def apply_fsdp_spmd(model: nn.Module, spmd_mesh: DeviceMesh, *, param_dtype: tor
     if shard and math.prod(spmd_mesh.size(names.index(n)) for n in shard) == 1:
         # TP without a shard axis (a one-rank dp_shard): resharding would free nothing and cost a second copy
         reshard_after_forward = False
+    per_block = _reshard_per_block(model, reshard_after_forward, keep_last)
     for key, block in model.layers.items():
+        reshard_after_forward = per_block[key]
         if key in experts:
             expert_dims = DataParallelMeshDims(
                 shard="efsdp", replicate="dp_replicate" if "dp_replicate" in expert_mesh.mesh_dim_names else None)

@@ -175,7 +175,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     if backend == "spmd_types":
         apply_fsdp_spmd(module, spmd_mesh(meshes, plan), param_dtype=precision.param_dtype,
                         reduce_dtype=precision.reduce_dtype, reshard_after_forward=plan.reshard_after_forward,
-                        expert_mesh=expert_mesh, expert_divide_factor=plan.dp_cp)
+                        expert_mesh=expert_mesh, expert_divide_factor=plan.dp_cp, keep_last=plan.pp == 1)
         if plan.tp > 1 and plan.pp == 1 and plan.n_microbatches == 1 and not typecheck:
             # one all-reduce a step for the tp-pending grads (spmd_step.forward_backward runs it; exact on a
             # one-rank dp axis with one micro-batch, fsdp.defer_tp_grad_reduction)
@@ -186,7 +186,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         apply_fsdp(module, meshes.fsdp, param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                    reshard_after_forward=plan.reshard_after_forward,
                    expert_mesh=meshes.expert_fsdp if plan.ep > 1 else None,
-                   expert_divide_factor=plan.dp_cp)
+                   expert_divide_factor=plan.dp_cp, keep_last=plan.pp == 1)
     return module
 
 
