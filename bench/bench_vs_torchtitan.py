@@ -141,8 +141,10 @@ alternating rounds: FSDP 2 1,606 / 1,791 / 1,801 tok/s/rank, after/TT 1.108x (ro
 1.102x), fast quartile 1.125x (before 1.101x), CPU ms per step 575 / 543 / 530 (CPU-work ratio 1.050 -> 1.070).  The
 goal (>= 1.2x) is not met on FSDP 2: at TorchTitan's 1,606 tok/s it needs 1,927, i.e. 531 ms a step, which is ours'
 whole CPU work per step with no idle at all; of that, mm + SDPA + the elementwise ops are ~480 ms, the same kernels on
-both sides.  Tried and dropped (measured): not resharding the last block after forward (TorchTitan's default): paired
-CPU 1.0025 and 1.006 in two A/Bs, wall within the noise; TorchTitan's FSDP units outside the blocks (the embedding;
+both sides.  Tried (measured): not resharding the last block after forward (TorchTitan's default): paired
+CPU 1.0025 and 1.006 in two A/Bs, wall within the noise here -- kept since a4f2f07 all the same (fsdp.py keep_last),
+as it removes an all-gather that nothing hides on a GPU cluster (the last block's, right at the start of backward);
+dropped: TorchTitan's FSDP units outside the blocks (the embedding;
 norm + LM head) instead of one root unit: paired wall 0.977, CPU 0.985 (slower: three units' FSDP2 overhead; 30
 pairs, load 0.7-2.2); the loss's log_softmax in 8 row chunks (TorchTitan chunks its loss): bitwise the same, one
 thread fwd+bwd at [1024, 2048] 4.34 -> 4.89 ms (slower).  TP 2 is unchanged by these (its FSDP axis has one rank), 08:16-08:19,
