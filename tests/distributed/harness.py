@@ -204,6 +204,35 @@ def assert_close_per_step(got: list[float], want: list[float], rtol: float = 1e-
             f"step {i + 1}: {what} {g!r} vs reference {w!r} (rel {abs(g - w) / abs(w):.2e})"
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's MASTER_PORT)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo_workers(worker, world: int, *args, timeout: float = 300) -> None:
+    """Run ``worker(rank, port, *args, queue)`` in `world` spawned processes (they start a gloo group on
+    127.0.0.1:port); each puts ``(rank, None)`` when it passed or ``(rank, traceback text)``; fails with the
+    tracebacks of the ranks that did not pass."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    failed = [f"rank {rank}:\n{err}" for rank, err in sorted(results) if err is not None]
+    assert not failed, "\n".join(failed)
+
+
 def in_fresh_process(fn, *args, timeout: float = 600):
     """`fn(*args)` in a new spawned interpreter (for cases that start a process group or alter module
     tables), its result returned."""

@@ -9,22 +9,15 @@ them whole -- and with ``reshard_after_forward`` off every block does.  Then a b
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from executor.parallel.fsdp import spmd_fsdp_supported
+from tests.distributed.harness import run_gloo_workers
 
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, backend: str, reshard: bool, out_q) -> None:
@@ -69,14 +62,4 @@ BACKENDS = ["dtensor", pytest.param("spmd_types", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reshard", [True, False])
 def test_the_last_block_keeps_its_parameters_after_forward(backend, reshard):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, backend, reshard, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    errors = [q.get(timeout=180) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    for rank, err in errors:
-        assert err is None, f"rank {rank}:\n{err}"
+    run_gloo_workers(_worker, 2, backend, reshard, timeout=180)

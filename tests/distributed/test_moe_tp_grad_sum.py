@@ -8,24 +8,17 @@ checked on sizes alone, and the cost model's memory charges one bucket, not all 
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from executor.moe_step import grad_buckets
+from tests.distributed.harness import run_gloo_workers
 
 pytestmark = pytest.mark.distributed
 
 SHAPES = [(3, 5), (7,), (4, 4), (2, 3, 2), (11,)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _grads(rank: int) -> list[torch.Tensor]:
@@ -64,17 +57,7 @@ def _worker(rank: int, port: int, caps: list[int], out_q) -> None:
 
 def test_bucketed_sum_equals_the_sum_for_every_cap():
     caps = [1, 4 * 15, 4 * 30, 4 * 200, 1 << 30]      # each alone, pairs, larger groups, everything in one
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, caps, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    errors = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    for rank, err in errors:
-        assert err is None, f"rank {rank}:\n{err}"
+    run_gloo_workers(_worker, 2, caps, timeout=120)
 
 
 def test_grad_buckets_cut_by_bytes():
