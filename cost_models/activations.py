@@ -75,8 +75,10 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
       GeLU input 8, GeLU output 8, dropout mask 1;  LayerNorms 4sbh.
     Adapted here: GQA/MLA widths from `attention_dims` (MLA also keeps its two normalized low-rank
     latents, the up projections' inputs); SwiGLU keeps gate and up outputs (eager autograd also
-    keeps silu(gate) and the product: 4 tensors of width ffn_hidden; a compiled SwiGLU 2, the
-    partitioner recomputing the product; a fused SwiGLU kernel, ``Workload.swiglu_impl`` (Megatron's
+    keeps silu(gate) and the product: 4 tensors of width ffn_hidden; a compiled SwiGLU 3: gate, up and the
+    product, which AOTAutograd's min-cut partitioner never recomputes because fc2's weight gradient must
+    materialize it in backward (``ban_recompute_materialized_backward``, torch/_functorch/partitioners.py;
+    measured on llama3-debug, torch 2.14: the compiled block saves exactly these three); a fused SwiGLU kernel, ``Workload.swiglu_impl`` (Megatron's
     bias-SwiGLU), 3: its input and the down projection's input; the whole FFN as one function, xformers'
     SwiGLU op, 2: it rebuilds the product in its backward); fused (flash/SDPA) attention keeps no s x s scores but its output O and
     the fp32 log-sum-exp (Dao 2023, arXiv:2307.08691); eager TorchTitan RMSNorm upcasts to fp32
@@ -255,8 +257,8 @@ def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
         return 2 * g * width, 0.0
     if fused_mlp:                                     # one kernel: gate and up; the product is fc2's input
         return 2 * g * width, lin * width
-    if compiled:                                      # the partitioner keeps gate and up, recomputing the product
-        return 2 * g * width, 0.0
+    if compiled:                                      # the partitioner keeps gate, up and the product (fc2's input)
+        return 2 * g * width, lin * width
     return (2 * g + e) * width, lin * width           # eager: gate, up, silu(gate); the product
 
 

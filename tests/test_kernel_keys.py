@@ -59,7 +59,9 @@ def test_each_key_removes_what_it_names_on_the_405b_layout():
 def test_fused_ffn_keeps_gate_and_up_only():
     """swiglu_impl fused_ffn (xformers' SwiGLU op: the whole FFN one function, the product rebuilt in backward)
     keeps one ffn-width tensor less than the 3-tensor fused kernel and two less than eager autograd, per layer
-    and micro-batch; under compile it keeps what the partitioner keeps (gate and up) and nothing else moves."""
+    and micro-batch; under compile the eager FFN keeps what the partitioner keeps, gate, up and the product (fc2's
+    weight gradient materializes it in backward, so it is never recomputed), as the fused kernel does, and
+    fused_ffn still one tensor less."""
     eager = _activations()
     fused = _activations(swiglu_impl="fused")
     ffn = _activations(swiglu_impl="fused_ffn")
@@ -68,7 +70,7 @@ def test_fused_ffn_keeps_gate_and_up_only():
     act = lambda **kw: float(estimate(CandidateTable.from_plans([compiled]), L405, H100,
                                       Workload(seq_len=8192, global_batch=2048, **kw),
                                       Coefficients()).memory["activations"][0])
-    assert act(swiglu_impl="fused_ffn") == pytest.approx(act(swiglu_impl="eager"), rel=1e-12)
+    assert act(swiglu_impl="fused") == pytest.approx(act(swiglu_impl="eager"), rel=1e-12)
     assert act(swiglu_impl="fused") > act(swiglu_impl="fused_ffn")
     wl = Workload(seq_len=64, global_batch=4, swiglu_impl="fused_ffn")
     assert wl.swiglu_fused and wl.swiglu_recomputes_product
