@@ -3,10 +3,14 @@ scored as a workload of its own, the one whose best candidate is fastest is chos
 and a split stated by flag, plan file or --framework regime is searched alone."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import yaml
+
+import search_spaces
 
 from cost_models.specs import load_hardware, load_model
 from cost_models.workload import Workload
@@ -16,11 +20,19 @@ from search_spaces.space import load_space
 
 Q405 = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
         "--global-batch", "2048"]
+# The dense space with the loop-placement schedules only: the V placement puts the first and the last stage on
+# rank 0, so there the weighted split changes no rank's load (with the V schedules both splits' best tie).
+LOOP_ONLY = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+def loop_space():
+    space = load_space("dense")
+    return dataclasses.replace(space, knobs={**space.knobs, "schedule": list(LOOP_ONLY)})
 
 
 @pytest.fixture(scope="module")
 def searched():
-    model, hw, space = load_model("llama3-405b"), load_hardware("h100-sxm"), load_space("dense")
+    model, hw, space = load_model("llama3-405b"), load_hardware("h100-sxm"), loop_space()
     wl = Workload(seq_len=8192, global_batch=2048)
     run = lambda splits: plan_candidates(space, model, hw, wl, world_size=16384, pp_splits=splits)  # noqa: E731
     return run(("layers", "weighted")), run(("layers",)), run(("weighted",))
@@ -37,8 +49,8 @@ def test_the_search_is_each_split_alone_then_the_fastest_best(searched):
 
 
 def test_llama3_405b_on_16384_gpus_picks_the_weighted_split(searched):
-    """126 layers: the layers-only split allows at most 126 stages, the weighted one 128 (the embedding and the
-    head a stage each), and its best pipeline is faster than any the even split allows."""
+    """126 layers under the loop placement: the layers-only split allows at most 126 stages, the weighted one 128
+    (the embedding and the head a stage each), and its best pipeline is faster than any the even split allows."""
     both, layers, _ = searched
     assert both.workload.pp_split == "weighted"
     assert both.split_best["weighted"] < both.split_best["layers"]
@@ -54,13 +66,16 @@ def test_no_pipeline_no_second_search():
 
 
 def test_cli_writes_the_chosen_split_and_says_so(tmp_path, capsys):
-    out = tmp_path / "plan.yaml"
-    assert main([*Q405, "--out", str(out), "--top", "1"]) == 0
+    out, space = tmp_path / "plan.yaml", tmp_path / "loop.yaml"
+    doc = yaml.safe_load((Path(search_spaces.__file__).parent / "dense.yaml").read_text())
+    space.write_text(yaml.safe_dump({**doc, "name": "loop", "knobs": {**doc["knobs"], "schedule": list(LOOP_ONLY)}}))
+    q = [*Q405, "--space", str(space)]
+    assert main([*q, "--out", str(out), "--top", "1"]) == 0
     text = capsys.readouterr().out
     line = next(ln for ln in text.splitlines() if ln.startswith("pipeline split: "))
     assert line.startswith("pipeline split: weighted") and "layers: best step" in line
     assert yaml.safe_load(out.read_text())["workload"]["pp_split"] == "weighted"
-    assert main([*Q405, "--json", "--no-write", "--top", "1"]) == 0
+    assert main([*q, "--json", "--no-write", "--top", "1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["pp_split"]["chosen"] == "weighted" and set(doc["pp_split"]["best_step_s"]) == {"layers", "weighted"}
 
