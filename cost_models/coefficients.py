@@ -39,6 +39,10 @@ class Coefficients:
     dp_overlap: float = 1.0        # physical: FSDP2 prefetches the next block's all-gather and
     #                                overlaps reduce-scatter with the previous block's backward
     tp_overlap: float = 0.0        # 0 = plain TP (collectives on the critical path); >0 = async TP
+    async_tp_overlap: float = 0.33  # measured: the tp_overlap of TorchTitan's async TP (workload
+    #   tp_comm_overlap: async; torch's micro_pipeline_tp fused ops): least squares of the paired
+    #   vanilla/async log error over TorchTitan's six published pairs (docs/reference_data.md, "How much
+    #   async TP hides")
     cp_overlap: float = 1.0        # physical: ring attention overlaps each K/V step with compute
     ep_overlap: float = 0.0        # 0 = all-to-alls exposed (DualPipeV overlaps them by design)
     ep_imbalance: float = 1.0      # max/mean tokens per EP rank; 1.0 = perfectly balanced routing

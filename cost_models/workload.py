@@ -393,9 +393,10 @@ class Workload:
 
     def with_overlaps(self, coeffs, hw=None):
         """`coeffs` with ``tp_overlap`` / ``dp_overlap`` set by ``tp_comm_overlap`` / ``dp_comm_overlap``
-        (none -> 0, full and async -> 1); ``auto`` keeps the coefficients' own value, except TP under
+        (none -> 0, full -> 1, async -> the coefficients' ``async_tp_overlap``, what TorchTitan's async TP was
+        measured to hide); ``auto`` keeps the coefficients' own value, except TP under
         :meth:`tp_overlap_auto` (given the hardware `hw`), which is ``full``."""
-        over = {name: 0.0 if value == "none" else 1.0
+        over = {name: 0.0 if value == "none" else coeffs.async_tp_overlap if value == "async" else 1.0
                 for name, value in (("tp_overlap", self.tp_comm_overlap), ("dp_overlap", self.dp_comm_overlap))
                 if value != "auto"}
         if self.tp_overlap_auto(hw):
