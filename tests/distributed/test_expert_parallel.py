@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 
@@ -10,13 +9,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.distributed.harness import free_port
+
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(seed: int):
@@ -83,7 +78,7 @@ def _worker(rank: int, world: int, port: int, ep: int, out_q) -> None:
 def test_ep_matches_single_process(world, ep):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, ep, q)) for r in range(world)]
     for p in procs:
         p.start()

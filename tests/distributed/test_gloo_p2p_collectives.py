@@ -12,20 +12,15 @@ comms: the same gradients after one backward and after an accumulating second on
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.distributed.harness import free_port
+
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, world: int, what: str) -> None:
@@ -177,7 +172,7 @@ def test_p2p_collectives_match_the_library_collectives(world):
 def _run(worker, world: int) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import traceback
 
 import pytest
@@ -29,7 +28,8 @@ import torch.multiprocessing as mp
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_backends_agree, assert_close_per_step, run_on_its_backend, run_titan
+from tests.distributed.harness import (assert_backends_agree, assert_close_per_step, free_port, run_on_its_backend,
+                                       run_titan)
 from tests.distributed.test_moe_parity import GLOBAL_BATCH, SEQ_LEN, moe_spec_file
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
@@ -109,12 +109,6 @@ def test_ep_plans_get_spmd_types_silently(capsys):
 
 
 # --------------------------------------------------------------------------- the checker names a missing dispatch
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dispatch_without_all_to_all(self, x, out_splits, in_splits):
     """Test-only dispatch that moves no data: as many rows as this rank should receive, made from its own
     tokens (right shape; wrong data, and still typed on the dense mesh, as a skipped all-to-all leaves it)."""
@@ -179,7 +173,7 @@ def _checker_worker(rank: int, world: int, port: int, out_q) -> None:
 def test_checker_names_a_dispatch_that_skips_the_all_to_all():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_checker_worker, args=(r, 4, port, q)) for r in range(4)]
     for p in procs:
         p.start()
