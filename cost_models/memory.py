@@ -39,11 +39,21 @@ def logit_bytes(table, workload) -> tuple[np.ndarray, np.ndarray]:
     input gradient join it at the turn (LOGIT_BYTES in all).  Fused (``loss_impl: fused``; e.g.
     flash-attn's cross_entropy, Megatron's in-place vocab-parallel loss): the kernel keeps only its
     e-byte input (the same tensor as the stage output) and a per-token log-sum-exp, and writes one
-    e-byte gradient at the turn."""
+    e-byte gradient at the turn.  ``auto`` under the fsdp2 layout is this executor's: its loss compiled with
+    compile on at tp 1 (Inductor fuses upcast, log-softmax and NLL: fused, `loss_fused`), eager otherwise."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
-    if workload.loss_mode == "fused":
-        return np.full(len(table), e), np.full(len(table), e)
-    return 4.0 + np.where(table.pp > 1, e, 0.0), np.full(len(table), LOGIT_BYTES - 4.0)
+    fused = loss_fused(table, workload)
+    eager_kept = 4.0 + np.where(table.pp > 1, e, 0.0)
+    return np.where(fused, e, eager_kept), np.where(fused, e, LOGIT_BYTES - 4.0)
+
+
+def loss_fused(table, workload) -> np.ndarray:
+    """[n] bool: the candidate's loss is fused (``loss_impl`` fused, or ``auto`` under the megatron layout, or
+    ``auto`` under fsdp2 with compile at tp 1: titan-run compiles its loss then, executor/parallel/
+    tensor_parallel.py ``loss_compiled``, as TorchTitan does)."""
+    if workload.loss_impl == "auto" and workload.state_layout == "fsdp2":
+        return np.asarray(table.compile, dtype=bool) & (np.asarray(table.tp) == 1)
+    return np.full(len(table), workload.loss_mode == "fused")
 
 
 # --------------------------------------------------------------------------- the breakdown

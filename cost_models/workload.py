@@ -192,10 +192,11 @@ class Workload:
     the fp32 log-softmax, its gradient and the input gradient at the turn) or ``fused`` (a fused
     or chunked kernel -- Megatron's cross_entropy_loss_fusion, flash-attn's / Liger's, a compiled
     loss -- keeping the logits and a per-token log-sum-exp, the gradient written in place); ``auto``
-    is ``eager`` for fsdp2 and ``fused`` for megatron, whose vocab-parallel cross-entropy (also the
-    unfused one) works in place on one fp32 copy of the logits: exp, softmax and the input gradient
-    reuse its storage (megatron/core/tensor_parallel/cross_entropy.py), 4 bytes per logit as a fused
-    bf16 kernel's 2 + 2.
+    is, for fsdp2, this executor's choice per candidate (``fused`` with compile at tp 1, where it
+    compiles its loss, else ``eager``: ``memory.loss_fused``; :attr:`loss_mode` gives the eager one)
+    and ``fused`` for megatron, whose vocab-parallel cross-entropy (also the unfused one) works in
+    place on one fp32 copy of the logits: exp, softmax and the input gradient reuse its storage
+    (megatron/core/tensor_parallel/cross_entropy.py), 4 bytes per logit as a fused bf16 kernel's 2 + 2.
     ``grad_accum`` is how a micro-batch's weight gradients join the step's: ``autograd`` (PyTorch's
     AccumulateGrad, ``grad += g`` after the first micro-batch: this executor, TorchTitan, FSDP),
     ``fused`` (the weight-gradient GEMM accumulates into the main-gradient buffer: Megatron's

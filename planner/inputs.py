@@ -66,9 +66,9 @@ WORKLOAD_HELP = {
               "with enable_gqa, flash-attn, cuDNN, Transformer Engine)",
     "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
                   "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
-    "loss_impl": "cross-entropy: auto (default: eager for fsdp2, fused for megatron, whose loss works in "
-                 "place), eager (on fp32-upcast logits, this executor) or fused (keeps only the logits and "
-                 "writes their gradient in place)",
+    "loss_impl": "cross-entropy: auto (default: for fsdp2 this executor's, fused with compile at tp 1 where "
+                 "it compiles the loss, eager otherwise; fused for megatron, whose loss works in place), eager "
+                 "(on fp32-upcast logits) or fused (keeps only the logits and writes their gradient in place)",
     "grad_accum": "how micro-batch gradients accumulate: auto (default: autograd for fsdp2, fused for megatron), "
                   "autograd (grad += g), fused (in the weight-gradient GEMM, Megatron) or hp_copy (DeepSpeed's "
                   "BF16 optimizer copies into fp32 after every micro-batch)",

@@ -3,7 +3,8 @@
 A user who asks about one layout and hears DOES NOT FIT needs to know what to change.  Each remedy is one
 change that keeps the layout's degrees and saves memory, stated as the flag that makes it:
 
-* plan knobs titan-run runs: ``--ac selective`` / ``--ac full``, ``--reshard``, a smaller ``--microbatch``
+* plan knobs titan-run runs: ``--ac selective`` / ``--ac full``, ``--reshard``, ``--compile`` (fused kernels;
+  at tp 1 its loss compiled too, keeping no fp32 copy of the logits), a smaller ``--microbatch``
   (more micro-batches of the same global batch), ``--pp-grad-sync every_microbatch`` (fsdp2, pp > 1, not
   the V schedules), ``--pp-split weighted`` (pp > 1: the first stage, which keeps the most micro-batches in
   flight, holds the embedding and a layer fewer);
@@ -33,7 +34,9 @@ _REGIMES = (
     ("pp_sent_tensors", "freed", lambda wl, p: p.pp > 1 and wl.pp_keeps_sent),
     ("norm_impl", "fused", lambda wl, p: not wl.norm_fused(bool(p.compile))),
     ("swiglu_impl", "fused", lambda wl, p: not wl.swiglu_fused and not p.compile),
-    ("loss_impl", "fused", lambda wl, p: wl.loss_mode != "fused"),
+    # (titan-run's own loss is fused already with compile at tp 1: executor tensor_parallel.loss_compiled)
+    ("loss_impl", "fused", lambda wl, p: wl.loss_mode != "fused"
+     and not (wl.loss_impl == "auto" and wl.state_layout == "fsdp2" and p.compile and p.tp == 1)),
 )
 
 
@@ -48,6 +51,8 @@ class Remedy:
 def _flag(key: str, value) -> tuple[str, ...]:
     if key == "reshard_after_forward":
         return ("--reshard",) if value else ("--no-reshard",)
+    if key == "compile":
+        return ("--compile",) if value else ("--no-compile",)
     return (f"--{key.replace('_', '-')}", str(value))
 
 
@@ -58,6 +63,8 @@ def candidates(plan: Plan, workload, model) -> list[Remedy]:
         out.append(Remedy(_flag("ac", ac), True, {"ac": ac}, {}))
     if not plan.reshard_after_forward and plan.dp_shard > 1:
         out.append(Remedy(_flag("reshard_after_forward", True), True, {"reshard_after_forward": True}, {}))
+    if not plan.compile:         # fused kernels, and titan-run's loss compiled at tp 1 (no fp32 copies of the logits)
+        out.append(Remedy(_flag("compile", True), True, {"compile": True}, {}))
     mb = plan.microbatch
     for k in sorted({d for d in (mb // 2, 1) if 1 <= d < mb and mb % d == 0}, reverse=True):
         out.append(Remedy(_flag("microbatch", k), True,

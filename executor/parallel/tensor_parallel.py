@@ -164,12 +164,42 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = Tru
         parallelize_module(block, tp_mesh, block_plan)
 
 
+def _eager_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+_COMPILED_LOSS: list = []     # [the compiled loss] while `compile_loss` has it on (one run per process)
+
+
+def compile_loss(enabled: bool) -> None:
+    """Compile the loss of plain-tensor logits from now on (`enabled`), or run it eager again.
+
+    Eager, the fp32 upcast and log-softmax keep an fp32 copy of the logits for backward (4 bytes per
+    logit) and backward adds two more fp32 ones; compiled (Inductor fuses upcast, log-softmax and NLL,
+    as TorchTitan compiles its loss), backward reads the logits themselves, so the loss keeps them (the
+    dtype's bytes) and per-token statistics, and writes one gradient in that dtype: measured in
+    tests/test_compiled_loss.py.  Vocab-sharded DTensor logits (dtensor TP's ``loss_parallel``) stay eager.
+    """
+    _COMPILED_LOSS.clear()
+    if enabled:
+        _COMPILED_LOSS.append(torch.compile(_eager_cross_entropy))
+
+
+def loss_compiled(plan, workload=None) -> bool:
+    """Whether titan-run compiles the loss of `plan`: with compile on, at tp 1 (plain-tensor logits), unless
+    the workload asks for ``loss_impl: eager``; ``cost_models.memory.logit_bytes`` charges it so."""
+    return bool(plan.compile and plan.tp == 1 and (workload is None or workload.loss_impl != "eager"))
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy; `logits` may be a vocab-sharded DTensor (call inside `loss_parallel()`).
 
-    Logits are upcast to fp32 first (bf16 training keeps an fp32 loss).
+    Logits are upcast to fp32 first (bf16 training keeps an fp32 loss); compiled when `compile_loss` is on
+    and the logits are a plain tensor.
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    if _COMPILED_LOSS and not isinstance(logits, DTensor):
+        return _COMPILED_LOSS[0](logits, labels)
+    return _eager_cross_entropy(logits, labels)
 
 
 def loss_value(loss: torch.Tensor) -> torch.Tensor:
@@ -177,4 +207,4 @@ def loss_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-__all__ = ["apply_tp", "cross_entropy", "loss_parallel", "loss_value"]
+__all__ = ["apply_tp", "compile_loss", "cross_entropy", "loss_compiled", "loss_parallel", "loss_value"]
