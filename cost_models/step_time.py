@@ -24,6 +24,7 @@ from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import ROW, attention_dims, layer_matmuls
 from .layout import broadcast_rows, holds_ends, layer_mix, mtp_blocks, unique_rows
+from .memory import loss_compiled
 from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
@@ -67,7 +68,7 @@ def stage_times(table, model, hw, workload, coeffs, links, r: Rates):
             g_f, g_b = _expert_tp_gathers(table, model, workload, links["tp"], r, tokens, tp)
             one["tp_f"], one["tp_b"] = one["tp_f"] + g_f, one["tp_b"] + g_b
         per_block[moe] = one
-    head = head_times(model, workload, r, tokens, tp)
+    head = head_times(model, workload, r, tokens, tp, loss_compiled(table, workload))
     if model.mtp_layers:
         # each multi-token-prediction module runs the head and loss once more and its [2h -> h] projection
         # (column-parallel; forward, input and weight gradients) on the rank holding the head; its block is
@@ -396,15 +397,19 @@ def attention_core_times(model, workload, r: Rates, tokens, tp, cp):
     return a_fwd + merge * d_o, a_bwd + merge * (d_qk + d_k + d_v)
 
 
-def head_times(model, workload, r: Rates, tokens, tp) -> dict:
+def head_times(model, workload, r: Rates, tokens, tp, compiled=False) -> dict:
     """LM head + loss on the last stage (the rank holding it may pace the pipeline): the head GEMM on this rank's
     vocabulary shard (vocab // tp rows), the fp32 cross-entropy traffic, and the host launches of
-    the embedding, final norm, head and loss kernels (`head_kernels`), forward and backward."""
+    the embedding, final norm, head and loss kernels (`head_kernels`), forward and backward.  A loss compiled
+    with the model (`compiled`, ``memory.loss_compiled``) moves 4 e bytes per logit (forward reads the logits
+    twice, for the row maximum and the sum of exponentials; backward reads them and writes their gradient)
+    in 2 kernels instead of the eager fp32 passes; other fused losses keep the eager figure (Megatron's
+    cross_entropy_loss_fusion still upcasts and keeps an fp32 exp of the logits)."""
     vshard = np.floor(model.vocab_size / tp)
     head_f = gemm_time(tokens, model.dim, vshard, r.gemm, r.mem, r.elt, r.elt, r.sms)
-    loss = tokens * model.vocab_size / tp * (36 + 2 * r.elt) / r.mem
+    loss = tokens * model.vocab_size / tp * np.where(compiled, 4 * r.elt, 36 + 2 * r.elt) / r.mem
     gpu_head = 3 * head_f + loss
-    k_head = head_kernels(workload)
+    k_head = head_kernels(workload) - np.where(compiled, 6.0, 0.0)     # the loss's 8 kernels as 2
     stretch = launch_bound(gpu_head, 3 * k_head * r.launch, r.sharpness) / np.maximum(gpu_head, 1e-30)
     f, b, w = stretch * (head_f + loss / 3), stretch * (head_f + 2 * loss / 3), stretch * head_f
     return {"F": f, "B": b, "W": w, "head_F": f, "head_B": b, "head_W": w, "head_BW": b + w}

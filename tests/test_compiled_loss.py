@@ -13,9 +13,12 @@ import torch
 import yaml
 
 from cost_models.coefficients import Coefficients
+from cost_models.compute import Rates
 from cost_models.estimate import estimate
 from cost_models.memory import logit_bytes, loss_fused
+from cost_models.memory import loss_compiled as model_loss_compiled
 from cost_models.specs import load_hardware, load_model
+from cost_models.step_time import head_times
 from cost_models.workload import Workload
 from executor.config import load_run_config
 from executor.parallel.tensor_parallel import compile_loss, cross_entropy, loss_compiled
@@ -100,3 +103,19 @@ def test_titan_run_takes_loss_impl_fused_only_where_it_compiles_the_loss(tmp_pat
     f.write_text(yaml.safe_dump({"model": "llama3-debug", "plan": {"dp_shard": 2, "microbatch": 2, "compile": True},
                                  "workload": {"seq_len": 64, "global_batch": 4, "loss_impl": "fused"}}))
     assert load_run_config(str(f), [], world_size=2).workload.loss_impl == "fused"
+
+
+def test_a_compiled_loss_moves_four_bytes_per_logit_in_the_step_time():
+    """The head's loss traffic: eager 36 + 2e bytes per logit (the fp32 passes), compiled 4e in two kernels;
+    other fused losses (Megatron's cross_entropy_loss_fusion, which still upcasts) keep the eager figure."""
+    m, hw = load_model("llama3-8b"), load_hardware("h100-sxm")
+    wl = Workload(seq_len=8192, global_batch=8)
+    r = Rates(hw, wl, Coefficients())
+    tokens = 8192.0
+    eager, compiled = (head_times(m, wl, r, tokens, 1, compiled=c) for c in (False, True))
+    loss_gap = tokens * m.vocab_size * (36 + 2 * 2 - 4 * 2) / r.mem       # bytes saved over both passes
+    # (the loss is in F and B; W is the head's weight gradient alone)
+    assert (eager["F"] + eager["B"]) - (compiled["F"] + compiled["B"]) == pytest.approx(loss_gap, rel=0.05)
+    tab = CandidateTable.from_plans([Plan(dp_shard=8, compile=True)])
+    for impl, expect in (("auto", True), ("eager", False), ("fused", False)):
+        assert bool(model_loss_compiled(tab, Workload(seq_len=64, global_batch=8, loss_impl=impl))[0]) is expect
