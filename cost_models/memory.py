@@ -52,7 +52,7 @@ def loss_compiled(table, workload) -> np.ndarray:
     layout, compile on, tp 1: titan-run, executor/parallel/tensor_parallel.py ``loss_compiled``, and TorchTitan
     since 2025-04).  Upcast, log-softmax and NLL fuse into row reductions: forward reads the logits for the
     row maximum and the sum of exponentials, backward reads them once more and writes their gradient."""
-    if workload.loss_impl == "auto" and workload.state_layout == "fsdp2":
+    if workload.state_layout == "fsdp2" and workload.loss_impl == "auto":   # Workload.compiles_loss
         return np.asarray(table.compile, dtype=bool) & (np.asarray(table.tp) == 1)
     return np.zeros(len(table), dtype=bool)
 
@@ -61,9 +61,7 @@ def loss_fused(table, workload) -> np.ndarray:
     """[n] bool: the candidate's loss is fused (``loss_impl`` fused, or ``auto`` under the megatron layout, or
     ``auto`` under fsdp2 with compile at tp 1: titan-run compiles its loss then, executor/parallel/
     tensor_parallel.py ``loss_compiled``, as TorchTitan does)."""
-    if workload.loss_impl == "auto" and workload.state_layout == "fsdp2":
-        return loss_compiled(table, workload)
-    return np.full(len(table), workload.loss_mode == "fused")
+    return loss_compiled(table, workload) | (workload.loss_mode == "fused")
 
 
 # --------------------------------------------------------------------------- the breakdown

@@ -375,6 +375,13 @@ class Workload:
             return self.grad_accum
         return "fused" if self.state_layout == "megatron" else "autograd"
 
+    def compiles_loss(self, compile_: bool, tp: int) -> bool:
+        """The loss is compiled with the model (titan-run, executor/parallel/tensor_parallel.py; TorchTitan
+        since 2025-04): the fsdp2 layout, ``loss_impl: auto``, compile on, tp 1 (plain-tensor logits).  An
+        explicit ``fused`` is another framework's kernel (Megatron's, flash-attn's), not Inductor's.
+        `memory.loss_compiled` is the same rule over a candidate table."""
+        return self.state_layout == "fsdp2" and self.loss_impl == "auto" and bool(compile_) and int(tp) == 1
+
     @property
     def loss_mode(self) -> str:
         """``loss_impl`` with ``auto`` resolved by the state layout."""

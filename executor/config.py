@@ -305,7 +305,7 @@ _OTHER_FRAMEWORKS = (
     ("grad_accum", lambda wl: wl.grad_accum_mode == "autograd",
      "titan-run accumulates gradients with autograd (auto or autograd"),
     ("loss_impl", lambda wl: wl.loss_impl != "fused",
-     "titan-run compiles its loss (fused) only with compile on at tp 1, and runs it eager otherwise (auto or eager"),
+     "titan-run's loss is eager, or compiled with the blocks under compile at tp 1 (auto or eager"),
     ("ep_a2a_overlap", lambda wl: wl.ep_a2a_overlap == "none",
      "titan-run runs each MoE all-to-all in its own micro-batch's forward and backward (none"),
     ("moe_weighting", lambda wl: wl.moe_weighting != "activation",
@@ -353,8 +353,6 @@ def _check_workload_runs(wl, plan: Plan) -> None:
         raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but titan-run runs fused attention "
                           "without dropout (that key describes other frameworks to the planner)")
     for key, runs, does in _OTHER_FRAMEWORKS:
-        if key == "loss_impl" and plan.compile and plan.tp == 1:
-            continue                                # fused: tensor_parallel.loss_compiled
         if not runs(wl):
             raise ConfigError(f"workload key '{key}' is {show(getattr(wl, key))}, but {does}; that key describes "
                               "other frameworks to the planner)")

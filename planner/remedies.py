@@ -35,8 +35,7 @@ _REGIMES = (
     ("norm_impl", "fused", lambda wl, p: not wl.norm_fused(bool(p.compile))),
     ("swiglu_impl", "fused", lambda wl, p: not wl.swiglu_fused and not p.compile),
     # (titan-run's own loss is fused already with compile at tp 1: executor tensor_parallel.loss_compiled)
-    ("loss_impl", "fused", lambda wl, p: wl.loss_mode != "fused"
-     and not (wl.loss_impl == "auto" and wl.state_layout == "fsdp2" and p.compile and p.tp == 1)),
+    ("loss_impl", "fused", lambda wl, p: wl.loss_mode != "fused" and not wl.compiles_loss(p.compile, p.tp)),
 )
 
 

@@ -185,10 +185,10 @@ def compile_loss(enabled: bool) -> None:
         _COMPILED_LOSS.append(torch.compile(_eager_cross_entropy))
 
 
-def loss_compiled(plan, workload=None) -> bool:
-    """Whether titan-run compiles the loss of `plan`: with compile on, at tp 1 (plain-tensor logits), unless
-    the workload asks for ``loss_impl: eager``; ``cost_models.memory.logit_bytes`` charges it so."""
-    return bool(plan.compile and plan.tp == 1 and (workload is None or workload.loss_impl != "eager"))
+def loss_compiled(plan, workload) -> bool:
+    """Whether titan-run compiles the loss of `plan`: with compile on, at tp 1 (plain-tensor logits), with
+    ``loss_impl: auto`` (``Workload.compiles_loss``, the rule the cost model charges)."""
+    return workload.compiles_loss(plan.compile, plan.tp)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
