@@ -31,7 +31,7 @@ class Framework:
     why: str = ""                                    # where each setting comes from
 
 
-_MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention"}
+_MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention", "grad_dtype": "fp32"}
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("titan-run", "this executor (the defaults)"),

@@ -186,8 +186,11 @@ class Workload:
     ``grad_dtype`` is the megatron layout's main-gradient buffer: ``fp32`` (Megatron-LM, which
     accumulates and reduces a bf16 run's gradients in fp32) or ``bf16`` (NeMo's and
     Megatron-Bridge's performance recipes: ``grad_reduce_in_fp32=False``); it sets the gradient
-    bytes per parameter and the data-parallel reduction's bytes.  The fsdp2 layout's gradients
-    follow its fp32 master parameters, so there it must stay ``fp32``.
+    bytes per parameter and the data-parallel reduction's bytes.  ``auto`` (not stated) is held as
+    ``fp32`` here; `titan-plan estimate` of a bf16 megatron layout compares both and takes bf16 when
+    fp32 main gradients do not fit and bf16 ones do, saying so (``planner/whatif.py``,
+    ``workload_variants``), as it does for an unstated ``ac``.  The fsdp2 layout's gradients follow
+    its fp32 master parameters, so there it must stay ``fp32`` (or ``auto``).
     ``loss_impl`` is the cross-entropy: ``eager`` (this executor: on fp32-upcast logits, keeping
     the fp32 log-softmax, its gradient and the input gradient at the turn) or ``fused`` (a fused
     or chunked kernel -- Megatron's cross_entropy_loss_fusion, flash-attn's / Liger's, a compiled
@@ -222,7 +225,7 @@ class Workload:
     norm_impl: Literal["auto", "eager", "fused", "composite"] = "auto"     # the RMSNorm/LayerNorm kernel
     swiglu_impl: Literal["auto", "eager", "fused", "fused_ffn"] = "auto"   # the SwiGLU activation kernel
     gqa_kv: Literal["auto", "expanded", "native"] = "auto"    # GQA K/V: repeated to n_heads, or as they are
-    grad_dtype: Literal["fp32", "bf16"] = "fp32"              # megatron layout: main gradients
+    grad_dtype: Literal["auto", "fp32", "bf16"] = "auto"              # megatron layout: main gradients
     moment_dtype: Literal["fp32", "bf16"] = "fp32"            # AdamW's exp_avg and exp_avg_sq
     master_dtype: Literal["fp32", "bf16"] = "fp32"            # megatron layout: the optimizer's parameter copy
     expert_tp: Literal["auto", "tp", "1"] = "auto"            # MoE: experts split over TP (tp) or whole (1)
@@ -238,9 +241,9 @@ class Workload:
 
     def __post_init__(self) -> None:
         check_fields(self, where="workload", error=SpecError)
-        if self.grad_dtype != "fp32" and self.state_layout != "megatron":
+        if self.grad_dtype == "bf16" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'grad_dtype' is {self.grad_dtype!r} with state_layout "
-                            f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: fp32)")
+                            f"{self.state_layout!r}: only the megatron layout holds bf16 gradients (allowed: auto, fp32)")
         if self.master_dtype != "fp32" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'master_dtype' is {self.master_dtype!r} with state_layout "
                             f"{self.state_layout!r}: fsdp2's parameters are the fp32 master copy (allowed: fp32)")

@@ -64,8 +64,9 @@ WORKLOAD_HELP = {
     "gqa_kv": "how attention takes grouped-query K/V: auto (default: native), expanded (repeated to n_heads "
               "before SDPA and saved so: TorchTitan's repeat_kv) or native (kept at n_kv_heads: titan-run's SDPA "
               "with enable_gqa, flash-attn, cuDNN, Transformer Engine)",
-    "grad_dtype": "megatron layout: main-gradient dtype, fp32 (Megatron-LM, default) or bf16 (NeMo / "
-                  "Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
+    "grad_dtype": "megatron layout: main-gradient dtype, auto (default: fp32, or bf16 where an estimate's "
+                  "fp32 main gradients do not fit and bf16 ones do, said in a note), fp32 (Megatron-LM) or bf16 "
+                  "(NeMo / Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
     "loss_impl": "cross-entropy: auto (default: for fsdp2 this executor's, fused with compile at tp 1 where "
                  "it compiles the loss, eager otherwise; fused for megatron, whose loss works in place), eager "
                  "(on fp32-upcast logits) or fused (keeps only the logits and writes their gradient in place)",

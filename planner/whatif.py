@@ -18,6 +18,7 @@ and at the speed of the best one, not by one default alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -137,6 +138,36 @@ def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
     return chosen, est, i, ac_note, notes
 
 
+def workload_variants(workload) -> list:
+    """The workloads an estimate compares for the workload keys a question leaves unstated, in the order
+    preferred: just `workload`, except a bf16 run of the megatron layout with ``grad_dtype: auto``, which is
+    compared with fp32 main gradients (Megatron-LM, which forces them for bf16) and with bf16 ones (NeMo's
+    and Megatron-Bridge's performance recipes, ``grad_reduce_in_fp32=False``): the layout trained with
+    one of them, and a verdict on it should not rest on the heavier one alone."""
+    if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
+        return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")]
+    return [workload]
+
+
+def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
+    """:func:`estimate_choosing_ac` for each of :func:`workload_variants`, keeping the first (in their
+    order) whose pick fits, else the last (the lightest).  Returns (workload, plan, estimates, row,
+    ac note, knob notes): the knob notes say what an unstated workload key was taken as and why, when it is
+    not the first variant."""
+    variants = workload_variants(workload)
+    runs = [estimate_choosing_ac(plans, model, hw, w, coeffs) for w in variants]
+    k = next((k for k, r in enumerate(runs) if r[1].fits[r[2]]), len(runs) - 1)
+    plan, est, row, ac_note, notes = runs[k]
+    if k > 0:                   # the default (fp32) fits: nothing to say
+        why = "fp32 main gradients do not fit, bf16 ones do" if runs[k][1].fits[runs[k][2]] else \
+            "neither fits; the smaller peak"
+        each = "; ".join(f"{w.grad_dtype}: peak {r[1].peak_memory_bytes[r[2]] / GIB:.1f} GiB, step "
+                         f"{r[1].step_time_s[r[2]]:.4g} s" for w, r in zip(variants, runs))
+        notes = [f"grad_dtype not given: '{variants[k].grad_dtype}', {why} ({each}; fp32 is Megatron-LM's, bf16 "
+                 "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
+    return variants[k], plan, est, row, ac_note, notes
+
+
 def _framework_workloads(args, d, q) -> dict[str, Any]:
     """The question's workload under each other framework's ``--framework`` (flags and the plan file's
     ``workload:`` still win over the regime, as with the flag); regimes the question contradicts are left out."""
@@ -173,7 +204,7 @@ def cmd_estimate(args) -> int:
     not_runnable = C.titan_run_limits(plan, target)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
-    plan, est, row, ac_note, knob_notes = estimate_choosing_ac(plans, model, hw, workload, q.coeffs)
+    workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs)
     blocker = a2a_overlap_blocker(plan, workload)
     overlap_note = (f"ep_a2a_overlap 'combined_1f1b' does not apply to this layout ({blocker}); its all-to-alls "
                     "are counted exposed" if blocker else None)

@@ -83,3 +83,26 @@ def test_a_plan_file_remembers_the_framework(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["inputs"]["framework"] == "megatron-deepspeed"
     assert doc["workload"]["grad_accum"] == "hp_copy" and doc["workload"]["attention_impl"] == "materialized"
+
+
+def test_an_unstated_gradient_dtype_is_not_a_verdict_on_the_heavier_one():
+    """The megatron layout with grad_dtype not given: Megatron-Bridge's Llama 3 70B layout (trained, 64 H100)
+    does not fit with Megatron-LM's fp32 main gradients and fits with bf16 ones (the recipe's), so the estimate
+    takes bf16 and says so; the same layout with either dtype stated is that dtype's figures, without a note.
+    A layout that fits with fp32 keeps fp32 without a note."""
+    args = [*MBRIDGE_70B, "--state-layout", "megatron", "--zero", "1", "--selective-ac", "attention"]
+    auto, fp32, bf16 = (json.loads(planner_cli(*args, *extra, "--json").stdout)
+                        for extra in ((), ("--grad-dtype", "fp32"), ("--grad-dtype", "bf16")))
+    assert fp32["predicted"]["headroom_gib"] < 0 <= bf16["predicted"]["headroom_gib"], "the test needs that layout"
+    assert auto["workload"]["grad_dtype"] == "bf16" and auto["predicted"] == bf16["predicted"]
+    assert auto["knob_notes"][0].startswith("grad_dtype not given: 'bf16', fp32 main gradients do not fit")
+    assert fp32["knob_notes"] == bf16["knob_notes"] == [] and fp32["remedies"] is not None
+    assert fp32["predicted"]["memory_gib"]["grads"] == pytest.approx(2 * bf16["predicted"]["memory_gib"]["grads"],
+                                                                      rel=1e-3)
+    roomy = [a if a != "64" else "128" for a in args]     # dp_shard 4: the optimizer shard halves
+    small = json.loads(planner_cli(*roomy, "--dp-shard", "4", "--json").stdout)
+    assert small["workload"]["grad_dtype"] == "fp32" and small["knob_notes"] == []
+    assert small["predicted"]["headroom_gib"] >= 0
+    # a regime states its dtype: Megatron-LM's fp32 is a verdict, not a default
+    lm = json.loads(planner_cli(*args, "--framework", "megatron-lm", "--json").stdout)
+    assert lm["workload"]["grad_dtype"] == "fp32" and lm["predicted"] == fp32["predicted"]
