@@ -52,9 +52,9 @@ def loss_compiled(table, workload) -> np.ndarray:
     layout, compile on, tp 1: titan-run, executor/parallel/tensor_parallel.py ``loss_compiled``, and TorchTitan
     since 2025-04).  Upcast, log-softmax and NLL fuse into row reductions: forward reads the logits for the
     row maximum and the sum of exponentials, backward reads them once more and writes their gradient."""
-    if workload.state_layout == "fsdp2" and workload.loss_impl == "auto":   # Workload.compiles_loss
-        return np.asarray(table.compile, dtype=bool) & (np.asarray(table.tp) == 1)
-    return np.zeros(len(table), dtype=bool)
+    if not workload.compiles_loss(True, 1):        # the workload's part of the one rule: layout and loss_impl
+        return np.zeros(len(table), dtype=bool)
+    return np.asarray(table.compile, dtype=bool) & (np.asarray(table.tp) == 1)   # the candidate's: compile, tp 1
 
 
 def loss_fused(table, workload) -> np.ndarray:

@@ -158,10 +158,13 @@ class Workload:
     expert GEMMs (megatron/core/transformer/moe/token_dispatcher.py, ``gather_from_sequence_parallel_region`` /
     ``reduce_scatter_to_sequence_parallel_region`` on the TP group), outside Transformer Engine's userbuffer
     overlap.
-    ``float8_cache`` is what float8 linears keep for backward (read only with float8 on): ``auto`` (the
-    coefficients' ``float8_saved_input_fraction``; by default torchao's tensorwise Float8Linear, which keeps
-    the high-precision input), ``fp8`` (each linear keeps its 1-byte fp8 input, the attention kernel its own
-    output next to the out-projection's fp8 copy: Transformer Engine) or ``fine_grained`` (DeepSeek-V3's
+    ``float8_cache`` is what float8 linears keep for backward (read only with float8 on): ``auto`` (resolved
+    by the state layout, :attr:`float8_cache_mode`: for fsdp2 the coefficients' ``float8_saved_input_fraction``,
+    by default torchao's tensorwise Float8Linear, which keeps the high-precision input -- titan-run; for
+    megatron ``fp8``, Transformer Engine's), ``fp8`` (each linear keeps its 1-byte fp8 input, the attention
+    kernel its own output next to the out-projection's fp8 copy: Transformer Engine, whose ``_Linear`` saves
+    the fp8 cast of its input or its fp8 transpose for the weight gradient, transformer_engine/pytorch/module/
+    linear.py ``saved_inputmat`` / ``saved_inputmat_t``, unless the recipe overrides wgrad precision) or ``fine_grained`` (DeepSeek-V3's
     recipe, Sec. 3.3.3 "Low-Precision Activation": linear inputs cached in fp8 with one fp32 scale per 1x128
     tile; the input of the linear after attention cached once, in E5M6 (1.5 bytes), for both that linear's
     and the attention's backward; the inputs of the MoE experts' SwiGLU cached in fp8).
@@ -340,6 +343,14 @@ class Workload:
     def pp_defers_grad_sync(self) -> bool:
         """True when, under a pipeline, the gradient reduction waits for the last micro-batch."""
         return self.pp_grad_sync == "last_microbatch"
+
+    @property
+    def float8_cache_mode(self) -> str:
+        """``float8_cache`` with ``auto`` resolved by the state layout: ``fp8`` for megatron (Transformer
+        Engine's linears keep their fp8 inputs), else ``auto`` (the coefficients' saved-input fraction)."""
+        if self.float8_cache == "auto" and self.state_layout == "megatron":
+            return "fp8"
+        return self.float8_cache
 
     @property
     def swiglu_fused(self) -> bool:

@@ -115,8 +115,9 @@ WORKLOAD_HELP = {
     "expert_tp": "MoE: the routed experts split over TP (tp: Megatron-core's default expert_tensor_parallel_size) "
                  "or whole on every TP rank (1: Megatron's expert_tensor_parallel_size 1; titan-run, which also keeps "
                  "the router and shared experts whole); auto (default): tp for the megatron layout, 1 for fsdp2",
-    "float8_cache": "what float8 linears keep for backward (with --float8): auto (default: the coefficients' "
-                    "float8_saved_input_fraction, torchao's high-precision input; titan-run), fp8 (1-byte inputs, "
+    "float8_cache": "what float8 linears keep for backward (with --float8): auto (default: for fsdp2 the "
+                    "coefficients' float8_saved_input_fraction, torchao's high-precision input, titan-run; fp8 for "
+                    "megatron), fp8 (1-byte inputs, "
                     "attention keeps its own output: Transformer Engine) or fine_grained (DeepSeek-V3 Sec. 3.3.3: "
                     "fp8 inputs with a scale per 1x128 tile, the attention output once in E5M6, MoE SwiGLU inputs "
                     "in fp8; memory only, the step time stays tensorwise float8's)",

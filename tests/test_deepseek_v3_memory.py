@@ -63,7 +63,8 @@ def test_fine_grained_cache_is_the_reports_bytes_per_token():
     m, e, tile = DSV3, 2.0, 1.0 + 4.0 / 128
     h, w, k = m.dim, m.moe_ffn_hidden, m.top_k
     d_o, lat = m.n_heads * m.v_head_dim, m.kv_lora_rank + m.q_lora_rank
-    auto, fine = _terms(_wl(**MEGATRON)), _terms(_wl(float8_cache="fine_grained", **MEGATRON))
+    # the high-precision cache (what float8 off keeps) against the report's
+    auto, fine = _terms(_wl(**MEGATRON), float8=False), _terms(_wl(float8_cache="fine_grained", **MEGATRON))
     saved_per_byte = (2 * h            # the QKV (down projections') and FFN inputs
                       + lat            # the normalized latents: the up projections' inputs
                       + k * h          # the dispatched tokens: the experts' first linear inputs
@@ -75,7 +76,7 @@ def test_fine_grained_cache_is_the_reports_bytes_per_token():
     assert (_terms(_wl(**MEGATRON), float8=False) == _terms(_wl(float8_cache="fine_grained", **MEGATRON),
                                                              float8=False)).all()
     # a dense block has no MoE SwiGLU: only the linear inputs and the attention output change
-    dense_gap = _terms(_wl(**MEGATRON), moe=False).sum() - _terms(_wl(float8_cache="fine_grained", **MEGATRON),
+    dense_gap = _terms(_wl(**MEGATRON), moe=False, float8=False).sum() - _terms(_wl(float8_cache="fine_grained", **MEGATRON),
                                                                   moe=False).sum()
     assert dense_gap == pytest.approx((e - tile) * (2 * h + lat + m.ffn_hidden) + (e - 1.5 - 4.0 / 128) * d_o,
                                       rel=1e-12)
@@ -95,6 +96,17 @@ def test_fp8_cache_is_the_te_coefficient_and_auto_follows_the_coefficient():
         assert (_terms(_wl(float8_cache="fp8"), moe, float8=False) == _terms(_wl(), moe, float8=False)).all()
 
 
+def test_auto_cache_follows_the_state_layout():
+    """``auto`` under the megatron layout is Transformer Engine's fp8 cache (its linears save the fp8 cast of
+    their input); under fsdp2 it is the coefficient (torchao's tensorwise float8 keeps the bf16 input)."""
+    for moe in (False, True):
+        mega = _terms(_wl(**MEGATRON), moe)
+        assert (mega == _terms(_wl(float8_cache="fp8", **MEGATRON), moe)).all()
+        assert mega.sum() < _terms(_wl(**MEGATRON), moe, float8=False).sum()
+        assert (_terms(_wl(), moe) == _terms(_wl(), moe, float8=False)).all()     # fsdp2, coefficient 1.0
+        assert (_terms(_wl(), moe) != _terms(_wl(float8_cache="fp8"), moe)).any()
+
+
 def test_layernorm_recompute_keeps_the_latent_norms_inputs():
     """Recomputing all RMSNorms (the report) keeps each MLA latent norm's input, in the compute dtype, not the
     fp8 input of the up projection; the block norms' outputs (the QKV and FFN inputs) are dropped."""
@@ -104,7 +116,8 @@ def test_layernorm_recompute_keeps_the_latent_norms_inputs():
         assert t[FULL] == 2.0 * (DSV3.kv_lora_rank + DSV3.q_lora_rank), cache
         assert t[SEQ] == 2 * 2.0 * DSV3.dim, cache          # the two fused block norms' bf16 inputs only
         kept = _terms(_wl(float8_cache=cache, **MEGATRON))   # no recompute: the up projections' inputs
-        assert kept[FULL] == (2.0 if cache == "auto" else 1.0 if cache == "fp8" else 1 + 4 / 128) * \
+        # auto under the megatron layout is Transformer Engine's fp8 cache
+        assert kept[FULL] == (1.0 if cache in ("auto", "fp8") else 1 + 4 / 128) * \
             (DSV3.kv_lora_rank + DSV3.q_lora_rank), cache
     up = _terms(_wl(selective_ac="modules", recompute_modules=("mla_up_proj",), **MEGATRON), ac="selective")
     both = _terms(_wl(selective_ac="modules", recompute_modules=("layernorm", "mla_up_proj"), **MEGATRON),
@@ -164,6 +177,9 @@ def test_the_trained_deepseek_v3_run_is_scored_for_its_fit_and_fits():
     res = vr.evaluate([case])
     assert [r["counted"] for r in res] == [False]
     # the verdict rests on the stated mechanisms: without them the same layout is predicted not to fit
+    # (fp32 moments, no moe_act recompute, the linears' bf16 inputs cached: float8 off for the cache)
     bare = dataclasses.replace(wl, moment_dtype="fp32", float8_cache="auto", recompute_modules=("layernorm", "mla_up_proj"))
-    est = estimate(CandidateTable.from_plans([case.plan]), case.model, case.hw, bare, Coefficients())
+    est = estimate(CandidateTable.from_plans([Plan.from_dict({**case.plan.to_dict(), "float8": False},
+                                                                runnable=False)]), case.model, case.hw,
+                   bare, Coefficients())
     assert not bool(est.fits[0]), float(est.peak_memory_bytes[0]) / GIB

@@ -86,11 +86,11 @@ def test_a_plan_file_remembers_the_framework(tmp_path):
 
 
 def test_an_unstated_gradient_dtype_is_not_a_verdict_on_the_heavier_one():
-    """The megatron layout with grad_dtype not given: Megatron-Bridge's Llama 3 70B layout (trained, 64 H100)
-    does not fit with Megatron-LM's fp32 main gradients and fits with bf16 ones (the recipe's), so the estimate
+    """The megatron layout with grad_dtype not given: Megatron-Bridge's Llama 3 70B layout (trained, 64 H100), in
+    bf16, does not fit with Megatron-LM's fp32 main gradients and fits with bf16 ones (the recipe's), so the estimate
     takes bf16 and says so; the same layout with either dtype stated is that dtype's figures, without a note.
     A layout that fits with fp32 keeps fp32 without a note."""
-    args = [*MBRIDGE_70B, "--state-layout", "megatron", "--zero", "1", "--selective-ac", "attention"]
+    args = [*MBRIDGE_70B, "--no-float8", "--state-layout", "megatron", "--zero", "1", "--selective-ac", "attention"]
     auto, fp32, bf16 = (json.loads(planner_cli(*args, *extra, "--json").stdout)
                         for extra in ((), ("--grad-dtype", "fp32"), ("--grad-dtype", "bf16")))
     assert fp32["predicted"]["headroom_gib"] < 0 <= bf16["predicted"]["headroom_gib"], "the test needs that layout"
