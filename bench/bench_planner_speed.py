@@ -29,7 +29,9 @@ def in_process(repeats: int = 5, model_name: str = "llama3-405b", hardware: str 
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        res = plan_candidates(space, model, hw, wl, world_size=world, pp_splits=("layers", "weighted"))
+        # what `titan-plan` searches when the question states neither: both pipeline splits, both TP regimes
+        res = plan_candidates(space, model, hw, wl, world_size=world, pp_splits=("layers", "weighted"),
+                              tp_activations=("auto", "sharded"))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), res.n_candidates, res.n_feasible
 

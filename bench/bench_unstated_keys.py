@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import validate_reference as vr  # noqa: E402
 from cost_models.workload import Workload  # noqa: E402
-from planner.whatif import workload_variants  # noqa: E402
+from planner.whatif import pick_variant, runnable_under, workload_variants  # noqa: E402
 
 BASIC = ("seq_len", "global_batch", "dtype", "state_layout", "zero", "sequence_parallel", "attention_impl",
          "dropout", "selective_ac", "recompute_modules")
@@ -44,10 +44,13 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
             if getattr(w, f.name) != getattr(c.workload, f.name):
                 differ[f.name] += 1
         a = vr.predict(c)
-        # what `titan-plan estimate` takes for the keys left unstated (`planner.whatif.workload_variants`: the
-        # first variant that fits, else the last)
-        preds = [vr.predict(dataclasses.replace(c, workload=v)) for v in workload_variants(w)]
-        b = next((p for p in preds if p["fits"]), preds[-1])
+        # what `titan-plan estimate` takes for the keys left unstated (`planner.whatif.workload_variants`, each
+        # variant on the row's layout if titan-run runs it there, kept by the variants' rule)
+        variants, rule = workload_variants(w, [c.plan])
+        preds = [vr.predict(dataclasses.replace(c, workload=v)) for j, v in enumerate(variants)
+                 if j == 0 or runnable_under(v, [c.plan])]
+        b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds],
+                               [p["device_peak_gib"] for p in preds])]
         if c.trained:
             trained += 1
             fit_full += a["fits"]

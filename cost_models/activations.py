@@ -129,8 +129,8 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
         t[SHARD if m.shard == COL else (row_out if m.shard == ROW else FULL)] += mult * e * m.n
     if fused:
         t[SHARD] += e * d_o + 4.0 * model.n_heads
-    if every:                                         # all-gathered QKV and FFN inputs (tp > 1)
-        t[FULL_TP if gathered else SEQ] += 2 * e * h
+    if every:                                         # all-gathered QKV and FFN inputs (tp > 1), or their shards
+        t[FULL_TP if gathered else SEQ_TP] += 2 * e * h
     if gathered:  # the wo and w2 reduce-scatter outputs (tp > 1; TorchTitan's op list saves them too)
         t[SEQ_TP] += 2 * e * h
     return t

@@ -37,14 +37,24 @@ def pp_splits_to_search(args, given: dict, q: PlanInputs) -> tuple[str, ...] | N
     return None if stated else typing.get_args(typing.get_type_hints(Workload)["pp_split"])
 
 
+def tp_activations_to_search(args, given: dict, q: PlanInputs) -> tuple[str, ...] | None:
+    """Both TP activation regimes titan-run runs -- ``auto`` (the gathered inputs kept) and ``sharded`` (the sequence
+    shards kept, all-gathered again in backward, on spmd_types eager blocks) -- when the question states none (flag,
+    plan file, --framework) under titan-run's fsdp2 state; None (the stated one) otherwise."""
+    stated = (getattr(args, "tp_activations", None) is not None or "tp_activations" in (given.get("workload") or {})
+              or "tp_activations" in get_framework(q.framework).workload)
+    return None if stated or q.workload.state_layout != "fsdp2" else ("auto", "sharded")
+
+
 def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     d = read_question(args.plan_file, args)[1]
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     space = load_space(args.space or default_space(q.model, q.workload))
-    splits = pp_splits_to_search(args, d, q)
+    splits, tpas = pp_splits_to_search(args, d, q), tp_activations_to_search(args, d, q)
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
-                          coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits)
+                          coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
+                          tp_activations=tpas)
     elapsed = time.perf_counter() - t0
     if not res.n_feasible and res.n_candidates:     # legal layouts, none fits: say how many devices would do
         # a node shape the question states is kept; else the hardware's own (a small world had fewer per node)
@@ -52,7 +62,8 @@ def cmd_plan(args) -> int:
         hw = q.hardware if stated or q.hardware.device == "cpu" else load_hardware(q.hardware_ref)
         found = smallest_fitting_world(space, q.model, hw, q.workload, world_size=q.gpus,
                                        gpus_per_node=q.gpus_per_node if stated else None, coeffs=q.coeffs,
-                                       memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits)
+                                       memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
+                                       tp_activations=tpas)
         if found is not None:
             k, bigger = found
             b = bigger.best()
@@ -64,7 +75,7 @@ def cmd_plan(args) -> int:
     contents = {
         "model": q.model_ref,
         "hardware": q.hardware_ref,
-        "workload": res.workload.to_dict(),       # the question's, with the pipeline split chosen
+        "workload": res.workload.to_dict(),       # the question's, with the pipeline split and TP regime chosen
         "plan": res.table.plan(best),
         "predicted": report.predicted(res.est, best),
         "inputs": inputs,
@@ -92,6 +103,8 @@ def cmd_plan(args) -> int:
                "elapsed_s": round(elapsed, 4)}
         if res.split_best:
             doc["pp_split"] = {"chosen": res.workload.pp_split, "best_step_s": res.split_best}
+        if res.tp_best:
+            doc["tp_activations"] = {"chosen": res.workload.tp_activations, "best_step_s": res.tp_best}
         print(json.dumps(doc, indent=2))
         return 0
     _print_ranking(args, q, res, space, top, elapsed)
@@ -106,6 +119,8 @@ def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None
           f"{res.n_feasible:,} feasible ({space.name} space)")
     if res.split_best and res.n_feasible and res.table.pp[res.best()] > 1:   # the split of the chosen pipeline
         print(split_line(res))
+    if res.tp_best and res.n_feasible and res.workload.tp_activations == "sharded":
+        print(tp_line(res))
     print()
     order = "fastest p90 step first" if args.rank_by == "p90" else "fastest first"
     print(report.format_table(res.table, res.est, top, title=f"top {len(top)} ({order}):",
@@ -130,6 +145,15 @@ def split_line(res) -> str:
     others = "; ".join(f"{s}: {best(s)}" for s in res.split_best if s != chosen)
     return (f"pipeline split: {chosen} ({what.get(chosen, chosen)}): {best(chosen)}; {others}  "
             f"(set --pp-split to fix one)")
+
+
+def tp_line(res) -> str:
+    """Why the chosen plan keeps TP sequence shards: each regime's best step (`PlanningResult.tp_best`)."""
+    unit = "p90 step" if res.rank_by == "p90" else "step"
+    show = {k: "nothing fits" if v is None else f"best {unit} {v:.4g} s" for k, v in res.tp_best.items()}
+    return (f"TP activations: sharded (each TP block keeps its sequence shard and all-gathers it again in "
+            f"backward; spmd_types, eager): {show['sharded']}; gathered: {show['auto']}  "
+            f"(set --tp-activations to fix one)")
 
 
 def _print_outcome(args, res, best, contents: dict, dry_rows, trial_rows) -> None:

@@ -40,6 +40,10 @@ class PlanningResult:
     # pipeline split searched (`plan_candidates(pp_splits=...)`): each split's best step time in seconds (None:
     # nothing fits under it); the chosen split is ``workload.pp_split``.  Empty when one split was scored.
     split_best: dict[str, float | None] = field(default_factory=dict)
+    # likewise the TP activation regimes searched (`plan_candidates(tp_activations=...)`): the chosen one is
+    # ``workload.tp_activations``
+    tp_best: dict[str, float | None] = field(default_factory=dict)
+    enumeration: Enumeration | None = field(default=None, repr=False)   # what `table` came from
 
     def step_time(self) -> np.ndarray:
         """The step time the ranking uses (seconds per step, every candidate)."""
@@ -78,7 +82,8 @@ class PlanningResult:
 def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
                     world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
                     memory_margin: float = 0.0, rank_by: str = "time",
-                    pp_splits: tuple[str, ...] | None = None) -> PlanningResult:
+                    pp_splits: tuple[str, ...] | None = None,
+                    tp_activations: tuple[str, ...] | None = None) -> PlanningResult:
     """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin).
 
     ``rank_by="p90"`` ranks by the conservative step time (`Estimates.step_time_p90_s`) and judges
@@ -87,52 +92,105 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     `pp_splits` (workload ``pp_split`` values; default: the workload's own) are the pipeline splits to search:
     each is scored as a workload of its own and the result is the one whose best candidate has the shortest step
     (then the least memory; the first split on a tie).  A split changes nothing without a pipeline, so the
-    others are scored only when the first has candidates with ``pp > 1``.
+    others are scored only when the first has candidates with ``pp > 1``.  `tp_activations` (workload
+    ``tp_activations`` values, e.g. ``("auto", "sharded")``; default: the workload's own) likewise, each with every
+    split, only when there are candidates with ``tp > 1``: under ``sharded`` the candidates titan-run cannot keep
+    sequence shards on (`constraints.tp_shards_unrunnable`) are rejected, so that regime wins only where keeping
+    shards lets a faster layout fit.  ``split_best`` / ``tp_best`` give each value's best step (over the others).
     """
     if rank_by not in RANK_BY:
         raise PlanningError(f"rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     splits = tuple(dict.fromkeys(pp_splits or (workload.pp_split,)))
+    tpas = tuple(dict.fromkeys(tp_activations or (workload.tp_activations,)))
     kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, coeffs=coeffs, memory_margin=memory_margin,
               rank_by=rank_by)
-    first = _plan_one(space, model, hw, dataclasses.replace(workload, pp_split=splits[0]), **kw)
-    if len(splits) == 1 or not (first.table.pp > 1).any():
+    first = _plan_one(space, model, hw, dataclasses.replace(workload, pp_split=splits[0], tp_activations=tpas[0]),
+                      **kw)
+    splits = splits if (first.table.pp > 1).any() else splits[:1]
+    tpas = tpas if (first.table.tp > 1).any() else tpas[:1]
+    if len(splits) == 1 and len(tpas) == 1:
         return first
-    results = [first] + [_plan_one(space, model, hw, dataclasses.replace(workload, pp_split=s), **kw)
-                         for s in splits[1:]]
+    results, base = [], {}
+    for a in tpas:
+        for s in splits:
+            wl = dataclasses.replace(workload, pp_split=s, tp_activations=a)
+            r = first if (s, a) == (splits[0], tpas[0]) else _plan_one(space, model, hw, wl, reuse=base.get(s), **kw)
+            if r.workload.tp_keeps_gathered:      # a gathered run of this split: what a sharded one shares
+                base[s] = r
+            results.append(r)
 
     def best_step(r: PlanningResult) -> float | None:
         return float(r.step_time()[r.order[0]]) if r.n_feasible else None
 
     def key(r: PlanningResult) -> tuple:
+        # the TP regime's rank breaks ties of the step before memory does: keeping shards (the second regime) is
+        # taken only where it makes a layout fit that is faster, not for the memory it saves at the same speed
+        rank = tpas.index(r.workload.tp_activations)
         if not r.n_feasible:
-            return (1, float(r.peak_memory().min(initial=np.inf)), 0.0)
+            return (1, float(r.peak_memory().min(initial=np.inf)), rank, 0.0)
         i = r.order[0]
-        return (0, float(r.step_time()[i]), float(r.peak_memory()[i]))
+        return (0, float(r.step_time()[i]), rank, float(r.peak_memory()[i]))
 
     chosen = min(results, key=key)        # min keeps the first of equal keys
-    chosen.split_best = {r.workload.pp_split: best_step(r) for r in results}
+
+    def best_of(key_name: str, values) -> dict:
+        out = {}
+        for v in values:
+            steps = [b for r in results if getattr(r.workload, key_name) == v and (b := best_step(r)) is not None]
+            out[v] = min(steps) if steps else None
+        return out
+    chosen.split_best = best_of("pp_split", splits) if len(splits) > 1 else {}
+    chosen.tp_best = best_of("tp_activations", tpas) if len(tpas) > 1 else {}
     return chosen
+
+
+def _overlay(base: Estimates, idx: np.ndarray, sub: Estimates) -> Estimates:
+    """`base` with the candidates `idx` replaced by `sub` (their estimates, in that order)."""
+    out = {}
+    for f in dataclasses.fields(Estimates):
+        v, w = getattr(base, f.name), getattr(sub, f.name)
+        if isinstance(v, np.ndarray):
+            v = v.copy()
+            v[idx] = w
+        elif isinstance(v, dict):        # (`uncovered` holds only the reasons some candidate has)
+            n = len(base.step_time_s)
+            v = {k: (v[k].copy() if k in v else np.zeros(n, dtype=w[k].dtype)) for k in {**v, **w}}
+            for k, a in v.items():
+                a[idx] = w[k] if k in w else 0
+        out[f.name] = v
+    return Estimates(**out)
 
 
 def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
               world_size: int, gpus_per_node: int | None, coeffs: Coefficients | None,
-              memory_margin: float, rank_by: str) -> PlanningResult:
-    """`plan_candidates` for the workload's own pipeline split."""
+              memory_margin: float, rank_by: str, reuse: PlanningResult | None = None) -> PlanningResult:
+    """`plan_candidates` for the workload's own pipeline split.  `reuse`: the result of the same split with the
+    gathered TP regime, when `workload` keeps TP shards: its enumeration is this one's, and only the candidates
+    the regime changes (tp > 1, runnable under it) are estimated again."""
     target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
                          global_batch=workload.global_batch,
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
                          float8_supported=hw.supports_float8 and hw.device != "cpu",
                          pp_weighted=workload.pp_weighted)
-    en: Enumeration = enumerate_plans(space, target)
+    shards = workload.state_layout == "fsdp2" and not workload.tp_keeps_gathered   # titan-run keeps TP shards
+    reuse = reuse if shards and reuse is not None and reuse.enumeration is not None else None
+    en: Enumeration = reuse.enumeration if reuse else enumerate_plans(space, target)
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
-    est = estimate(en.table, model, hw, workload, coeffs)
+    cannot = C.tp_shards_unrunnable(en.table) if shards else np.zeros(len(en.table), dtype=bool)
+    if reuse:       # tp 1 is the same under both regimes; what cannot run is rejected below
+        changed = np.flatnonzero((en.table.tp > 1) & ~cannot)
+        est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))
+    else:
+        est = estimate(en.table, model, hw, workload, coeffs)
     p90 = rank_by == "p90"
     step, peak = (est.step_time_p90_s, est.peak_memory_p90_bytes) if p90 else (est.step_time_s, est.peak_memory_bytes)
     limit = est.capacity_bytes * (1.0 - memory_margin)
-    fits = peak <= limit
+    fits = (peak <= limit) & ~cannot
     rejected = list(en.rejected)
-    n_oom = int((~fits).sum())
+    if cannot.any():
+        rejected.append(Rejection(C.R_TP_SHARDS, int(cannot.sum()), "candidates"))
+    n_oom = int(((peak > limit) & ~cannot).sum())
     if n_oom:
         rejected.append(Rejection(C.R_MEMORY + (" (p90 bound)" if p90 else ""), n_oom, "candidates"))
     idx = np.flatnonzero(fits)
@@ -140,21 +198,23 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     order = idx[np.lexsort((peak[idx], step[idx]))]
     return PlanningResult(table=en.table, est=est, order=order, pareto=pareto_front(est, idx),
                           rejected=rejected, n_layouts=en.n_layouts, model=model, hw=hw, workload=workload,
-                          coeffs=coeffs, rank_by=rank_by)
+                          coeffs=coeffs, rank_by=rank_by, enumeration=en)
 
 
 def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
                            world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
                            memory_margin: float = 0.0, rank_by: str = "time",
                            max_world: int = MAX_WORLD_SIZE,
-                           pp_splits: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
+                           pp_splits: tuple[str, ...] | None = None,
+                           tp_activations: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
     """When nothing fits on `world_size` devices: the smallest power-of-two multiple of it (up to `max_world`)
     on which some layout of `space` fits, with its planning result, or None.  The global batch stays the
     question's; multiples of the world keep the node shape."""
     k = 2 * world_size
     while k <= max_world:
         res = plan_candidates(space, model, hw, workload, world_size=k, gpus_per_node=gpus_per_node, coeffs=coeffs,
-                              memory_margin=memory_margin, rank_by=rank_by, pp_splits=pp_splits)
+                              memory_margin=memory_margin, rank_by=rank_by, pp_splits=pp_splits,
+                              tp_activations=tp_activations)
         if res.n_feasible:
             return k, res
         k *= 2

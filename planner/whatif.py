@@ -138,33 +138,78 @@ def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
     return chosen, est, i, ac_note, notes
 
 
-def workload_variants(workload) -> list:
-    """The workloads an estimate compares for the workload keys a question leaves unstated, in the order
-    preferred: just `workload`, except a bf16 run of the megatron layout with ``grad_dtype: auto``, which is
-    compared with fp32 main gradients (Megatron-LM, which forces them for bf16) and with bf16 ones (NeMo's
-    and Megatron-Bridge's performance recipes, ``grad_reduce_in_fp32=False``): the layout trained with
-    one of them, and a verdict on it should not rest on the heavier one alone."""
+def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, str]:
+    """The workloads an estimate compares for a workload key the question leaves unstated, in the order
+    preferred, and the rule that picks one (:func:`estimate_choosing_workload`):
+
+    * a bf16 run of the megatron layout with ``grad_dtype: auto``: fp32 main gradients (Megatron-LM, which
+      forces them for bf16) and bf16 ones (NeMo's and Megatron-Bridge's performance recipes,
+      ``grad_reduce_in_fp32=False``); rule ``first_fit``: the layout trained with one of them, and a verdict
+      on it should not rest on the heavier one alone;
+    * titan-run's fsdp2 state with ``tp_activations: auto`` and a layout with tp > 1 (of `plans`): the gathered
+      inputs and the sequence shards (``sharded``, which titan-run runs on spmd_types, eager, ac none or
+      full, no float8); rule ``fastest``: as the search does (`planner.rank.plan_candidates`), sharded
+      only where it makes a faster setting fit.
+
+    Otherwise just `workload`."""
     if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
-        return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")]
-    return [workload]
+        return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")], "first_fit"
+    if (workload.state_layout == "fsdp2" and workload.tp_activations == "auto" and plans
+            and any(p.tp > 1 for p in plans)):
+        return [workload, dataclasses.replace(workload, tp_activations="sharded")], "fastest"
+    return [workload], "first_fit"
+
+
+def pick_variant(rule: str, fits: list[bool], step: list[float], peak: list[float]) -> int:
+    """Index of the variant `rule` keeps (:func:`workload_variants`), given each variant's pick: whether it fits,
+    its step time and its peak memory.  When none fits, the first (the default): the remedies name the change."""
+    n = len(fits)
+    if not any(fits):           # nothing fits: the default, whose remedies `titan-plan estimate` lists
+        return 0
+    if rule == "fastest":
+        return min((k for k in range(n) if fits[k]), key=lambda k: (step[k], k))
+    return next(k for k in range(n) if fits[k])
+
+
+def runnable_under(workload, plans: list[Plan]) -> list[Plan]:
+    """The plans titan-run runs under `workload`'s TP regime (all of them, except under ``sharded``)."""
+    if workload.state_layout == "fsdp2" and workload.tp_activations == "sharded":
+        return [p for p in plans if not C.tp_shards_unrunnable(p)]
+    return plans
 
 
 def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
-    """:func:`estimate_choosing_ac` for each of :func:`workload_variants`, keeping the first (in their
-    order) whose pick fits, else the last (the lightest).  Returns (workload, plan, estimates, row,
-    ac note, knob notes): the knob notes say what an unstated workload key was taken as and why, when it is
-    not the first variant."""
-    variants = workload_variants(workload)
-    runs = [estimate_choosing_ac(plans, model, hw, w, coeffs) for w in variants]
-    k = next((k for k, r in enumerate(runs) if r[1].fits[r[2]]), len(runs) - 1)
+    """:func:`estimate_choosing_ac` for each of :func:`workload_variants` (on the plans it runs) and the one the
+    variants' rule keeps (:func:`pick_variant`): ``first_fit``, the first whose pick fits; ``fastest``, the fastest
+    pick that fits (the first on a tie); when none fits, the first (the default).  Returns (workload, plan, estimates,
+    row, ac note, knob notes): the knob notes say what an unstated workload key was taken as and why, when it
+    is not the first variant."""
+    variants, rule = workload_variants(workload, plans)
+    # the question's own workload on every plan (a what-if may be another framework's); an added variant on
+    # the plans titan-run runs it on
+    pairs = [(w, plans if j == 0 else runnable_under(w, plans)) for j, w in enumerate(variants)]
+    pairs = [(w, ps) for w, ps in pairs if ps]
+    variants = [w for w, _ in pairs]
+    runs = [estimate_choosing_ac(ps, model, hw, w, coeffs) for w, ps in pairs]
+    fits = [bool(r[1].fits[r[2]]) for r in runs]
+    step = [float(r[1].step_time_s[r[2]]) for r in runs]
+    peak = [float(r[1].peak_memory_bytes[r[2]]) for r in runs]
+    k = pick_variant(rule, fits, step, peak)
     plan, est, row, ac_note, notes = runs[k]
-    if k > 0:                   # the default (fp32) fits: nothing to say
-        why = "fp32 main gradients do not fit, bf16 ones do" if runs[k][1].fits[runs[k][2]] else \
-            "neither fits; the smaller peak"
-        each = "; ".join(f"{w.grad_dtype}: peak {r[1].peak_memory_bytes[r[2]] / GIB:.1f} GiB, step "
-                         f"{r[1].step_time_s[r[2]]:.4g} s" for w, r in zip(variants, runs))
-        notes = [f"grad_dtype not given: '{variants[k].grad_dtype}', {why} ({each}; fp32 is Megatron-LM's, bf16 "
-                 "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
+    if k > 0:                   # the default is kept: nothing to say
+        if variants[k].grad_dtype != workload.grad_dtype:
+            why = "fp32 main gradients do not fit, bf16 ones do"
+            each = "; ".join(f"{w.grad_dtype}: peak {pk / GIB:.1f} GiB, step {st:.4g} s"
+                             for w, pk, st in zip(variants, peak, step))
+            notes = [f"grad_dtype not given: '{variants[k].grad_dtype}', {why} ({each}; fp32 is Megatron-LM's, bf16 "
+                     "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
+        else:
+            why = "the fastest setting that fits"
+            each = "; ".join(f"{'gathered' if w.tp_activations == 'auto' else w.tp_activations}: "
+                             f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, peak {pk / GIB:.1f} GiB"
+                             for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
+            notes = [f"tp-activations not given: 'sharded' (each TP block keeps its sequence shard and all-gathers it "
+                     f"again in backward), {why} ({each})", *notes]
     return variants[k], plan, est, row, ac_note, notes
 
 
