@@ -12,6 +12,7 @@ from cost_models.specs import HardwareSpec, ModelSpec
 from cost_models.workload import Workload
 from search_spaces import constraints as C
 from search_spaces.enumerate import Enumeration, Rejection, enumerate_plans
+from search_spaces.plan import tp_shards_unrunnable
 from search_spaces.space import SearchSpace
 from search_spaces.table import CandidateTable
 from search_spaces.typed import MAX_WORLD_SIZE, InputError
@@ -95,7 +96,7 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     others are scored only when the first has candidates with ``pp > 1``.  `tp_activations` (workload
     ``tp_activations`` values, e.g. ``("auto", "sharded")``; default: the workload's own) likewise, each with every
     split, only when there are candidates with ``tp > 1``: under ``sharded`` the candidates titan-run cannot keep
-    sequence shards on (`constraints.tp_shards_unrunnable`) are rejected, so that regime wins only where keeping
+    sequence shards on (`plan.tp_shards_unrunnable`) are rejected, so that regime wins only where keeping
     shards lets a faster layout fit.  ``split_best`` / ``tp_best`` give each value's best step (over the others).
     """
     if rank_by not in RANK_BY:
@@ -177,7 +178,7 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     en: Enumeration = reuse.enumeration if reuse else enumerate_plans(space, target)
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
-    cannot = C.tp_shards_unrunnable(en.table) if shards else np.zeros(len(en.table), dtype=bool)
+    cannot = tp_shards_unrunnable(en.table) if shards else np.zeros(len(en.table), dtype=bool)
     if reuse:       # tp 1 is the same under both regimes; what cannot run is rejected below
         changed = np.flatnonzero((en.table.tp > 1) & ~cannot)
         est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))

@@ -8,7 +8,7 @@ change that keeps the layout's degrees and saves memory, stated as the flag that
   (more micro-batches of the same global batch), ``--pp-grad-sync every_microbatch`` (fsdp2, pp > 1, not
   the V schedules), ``--pp-split weighted`` (pp > 1: the first stage, which keeps the most micro-batches in
   flight, holds the embedding and a layer fewer), ``--tp-activations sharded`` (fsdp2, tp > 1: the TP blocks keep
-  their sequence shards; titan-run's where `constraints.tp_shards_unrunnable` allows, Megatron's otherwise);
+  their sequence shards; titan-run's where `plan.tp_shards_unrunnable` allows, Megatron's otherwise);
 * ``--grad-dtype bf16`` for the megatron layout (NeMo's and Megatron-Bridge's bf16 main gradients);
 * other frameworks' regimes, which titan-run does not run (each a workload key the estimate reads):
   ``--pp-sent-tensors freed``, ``--norm-impl fused``, ``--swiglu-impl fused``, ``--gqa-kv native``,
@@ -28,8 +28,7 @@ import dataclasses
 from typing import Any
 
 from cost_models.estimate import GIB, estimate
-from search_spaces import constraints as C
-from search_spaces.plan import AC_MODES, Plan, PlanError
+from search_spaces.plan import AC_MODES, Plan, PlanError, tp_shards_unrunnable
 from search_spaces.table import CandidateTable
 
 # workload regimes of other frameworks that save memory: (key, value, applies to the workload)
@@ -77,7 +76,7 @@ def candidates(plan: Plan, workload, model) -> list[Remedy]:
     if plan.pp > 1 and not workload.pp_weighted:
         out.append(Remedy(_flag("pp_split", "weighted"), True, {}, {"pp_split": "weighted"}))
     if plan.tp > 1 and workload.state_layout == "fsdp2" and workload.tp_keeps_gathered:   # keep the sequence shards
-        out.append(Remedy(_flag("tp_activations", "sharded"), not C.tp_shards_unrunnable(plan), {},
+        out.append(Remedy(_flag("tp_activations", "sharded"), not tp_shards_unrunnable(plan), {},
                           {"tp_activations": "sharded"}))
     if workload.state_layout == "megatron" and workload.grad_elem_bytes > 2 and workload.dtype == "bf16":
         out.append(Remedy(_flag("grad_dtype", "bf16"), False, {}, {"grad_dtype": "bf16"}))

@@ -29,7 +29,7 @@ from cost_models.frameworks import FRAMEWORKS
 from cost_models.specs import SpecError
 from cost_models.moe_traffic import a2a_overlap_blocker
 from search_spaces import constraints as C
-from search_spaces.plan import PLAN_KEYS, Plan, PlanError
+from search_spaces.plan import PLAN_KEYS, Plan, PlanError, tp_shards_unrunnable
 from search_spaces.table import CandidateTable
 
 from . import report
@@ -174,7 +174,7 @@ def pick_variant(rule: str, fits: list[bool], step: list[float], peak: list[floa
 def runnable_under(workload, plans: list[Plan]) -> list[Plan]:
     """The plans titan-run runs under `workload`'s TP regime (all of them, except under ``sharded``)."""
     if workload.state_layout == "fsdp2" and workload.tp_activations == "sharded":
-        return [p for p in plans if not C.tp_shards_unrunnable(p)]
+        return [p for p in plans if not tp_shards_unrunnable(p)]
     return plans
 
 
@@ -210,7 +210,8 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
                              for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
             notes = [f"tp-activations not given: 'sharded' (each TP block keeps its sequence shard and all-gathers it "
                      f"again in backward), {why} ({each})", *notes]
-    return variants[k], plan, est, row, ac_note, notes
+    # the first variant is the question's own (grad_dtype auto is held as fp32): its keys stay as asked
+    return (variants[k] if k > 0 else workload), plan, est, row, ac_note, notes
 
 
 def _framework_workloads(args, d, q) -> dict[str, Any]:

@@ -236,17 +236,3 @@ def titan_run_limits(plan: Any, t: Target) -> list[tuple[str, str]]:
     return [(TITAN_RUN_LIMITS[r], r.message(plan, t)) for r in CHECK_ORDER
             if r in TITAN_RUN_LIMITS and not r.ok(plan, t)]
 
-
-def tp_shards_unrunnable(t) -> Any:
-    """Candidates (a `Plan` or table columns) with tp > 1 on which titan-run cannot keep the TP blocks'
-    sequence shards (workload ``tp_activations: sharded``, ``executor/parallel/spmd_tensor_parallel.py``):
-    only the spmd_types backend runs that regime, in eager blocks, with ac none or full (a selective policy
-    saves the gathered tensors) and without float8 (float8 linears save their own, gathered, inputs).
-    ``executor/config.py`` refuses the same cases in one line each."""
-    backend = t.backend
-    if isinstance(backend, str):
-        other_backend = backend != "spmd_types"
-    else:
-        from .plan import BACKENDS
-        other_backend = np.asarray(backend) != BACKENDS.index("spmd_types")
-    return (t.tp > 1) & (other_backend | t.compile | t.float8 | t.is_ac("selective"))

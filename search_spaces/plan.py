@@ -260,3 +260,14 @@ def _check_positive_int(key: str, v: Any) -> None:
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise PlanError(f"plan key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def tp_shards_unrunnable(t) -> Any:
+    """Candidates (a `Plan` or table columns) with tp > 1 on which titan-run cannot keep the TP blocks'
+    sequence shards (workload ``tp_activations: sharded``, ``executor/parallel/spmd_tensor_parallel.py``):
+    only the spmd_types backend runs that regime, in eager blocks, with ac none or full (a selective policy
+    saves the gathered tensors) and without float8 (float8 linears save their own, gathered, inputs).
+    ``executor/config.py`` refuses the same cases in one line each (``constraints.R_TP_SHARDS``)."""
+    backend = t.backend
+    other = backend != "spmd_types" if isinstance(backend, str) else backend != BACKENDS.index("spmd_types")
+    return (t.tp > 1) & (other | t.compile | t.float8 | t.is_ac("selective"))

@@ -101,7 +101,7 @@ def test_an_unstated_gradient_dtype_is_not_a_verdict_on_the_heavier_one():
                                                                       rel=1e-3)
     roomy = [a if a != "64" else "128" for a in args]     # dp_shard 4: the optimizer shard halves
     small = json.loads(planner_cli(*roomy, "--dp-shard", "4", "--json").stdout)
-    assert small["workload"]["grad_dtype"] == "fp32" and small["knob_notes"] == []
+    assert small["workload"]["grad_dtype"] == "auto" and small["knob_notes"] == []    # as asked: fp32
     assert small["predicted"]["headroom_gib"] >= 0
     # a regime states its dtype: Megatron-LM's fp32 is a verdict, not a default
     lm = json.loads(planner_cli(*args, "--framework", "megatron-lm", "--json").stdout)

@@ -23,7 +23,8 @@ PLAN = Plan(tp=8, pp=4, dp_shard=4, microbatch=1, n_microbatches=16, schedule="I
             ac="none", runnable=False)
 ESTIMATE = ["estimate", "--model", "llama3-70b", "--gpus", "128", "--hardware", "h100-sxm", "--seq-len", "8192",
             "--global-batch", "64", "--tp", "8", "--pp", "4", "--microbatch", "1", "--schedule", "Interleaved1F1B",
-            "--stages-per-rank", "2", "--ac", "none", "--json"]
+            "--stages-per-rank", "2", "--ac", "none", "--json",
+            "--tp-activations", "gathered"]     # stated: the layout keeps its TP regime on every path compared
 
 
 def _time(wl: Workload, coeffs: Coefficients | None = None) -> dict:

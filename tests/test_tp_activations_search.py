@@ -2,7 +2,7 @@
 gathered inputs (``auto``, titan-run's default) and the sequence shards (``sharded``, all-gathered again in
 backward: titan-run runs it on spmd_types, eager, ac none or full, no float8) are scored as workloads of their
 own; under ``sharded`` the candidates titan-run cannot keep shards on are rejected
-(`search_spaces.constraints.tp_shards_unrunnable`, the executor's own refusals), the regime whose best candidate
+(`search_spaces.plan.tp_shards_unrunnable`, the executor's own refusals), the regime whose best candidate
 is faster is chosen (the default on a tie) and written to the plan file."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from executor.config import ConfigError, _check_workload_runs
 from planner.cli import main
 from planner.rank import plan_candidates
 from search_spaces import constraints as C
-from search_spaces.plan import Plan
+from search_spaces.plan import Plan, tp_shards_unrunnable
 from search_spaces.space import load_space
 from search_spaces.table import CandidateTable
 
@@ -68,7 +68,7 @@ def test_a_tie_keeps_the_gathered_default():
 def test_under_sharded_only_what_titan_run_runs_is_feasible():
     res = plan_candidates(load_space("dense"), M70, H100, WL, world_size=64, tp_activations=("sharded",))
     t = res.table
-    bad = C.tp_shards_unrunnable(t)
+    bad = tp_shards_unrunnable(t)
     assert bad.any() and not bad[res.order].any()
     assert any(r.reason == C.R_TP_SHARDS and r.count == int(bad.sum()) for r in res.rejected)
 
@@ -84,8 +84,8 @@ def test_the_rule_is_the_executors(backend, compile_, float8, ac):
         refused = False
     except ConfigError:
         pass
-    assert bool(C.tp_shards_unrunnable(plan)) == refused
-    assert not C.tp_shards_unrunnable(Plan(dp_shard=4, microbatch=1, backend=backend, compile=compile_,
+    assert bool(tp_shards_unrunnable(plan)) == refused
+    assert not tp_shards_unrunnable(Plan(dp_shard=4, microbatch=1, backend=backend, compile=compile_,
                                            float8=float8, ac=ac))        # tp 1: nothing to keep
 
 
@@ -119,7 +119,7 @@ def test_the_sharded_scoring_reuses_the_gathered_one_exactly():
     gathered = rank._plan_one(space, M70, H100, WL, **kw)
     fresh = rank._plan_one(space, M70, H100, wl, **kw)
     reused = rank._plan_one(space, M70, H100, wl, reuse=gathered, **kw)
-    ok = ~C.tp_shards_unrunnable(fresh.table)
+    ok = ~tp_shards_unrunnable(fresh.table)
     assert (fresh.table.tp > 1).any() and (ok & (fresh.table.tp > 1)).any() and (~ok).any()
     for name in ("step_time_s", "peak_memory_bytes", "step_time_p90_s", "peak_memory_p90_bytes", "fits"):
         assert np.array_equal(getattr(reused.est, name)[ok], getattr(fresh.est, name)[ok]), name
