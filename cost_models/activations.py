@@ -50,9 +50,10 @@ class _Saved(NamedTuple):
 def _saved_bytes(workload, e: float, f8_fraction: float, float8: bool) -> _Saved:
     """What one block's cached tensors cost per element (``Workload.float8_cache``, with `float8` on).
 
-    Without float8, or with ``float8_cache: auto`` under fsdp2 (:attr:`Workload.float8_cache_mode`), a saved linear input costs ``e * f8_fraction`` (the
-    coefficients' ``float8_saved_input_fraction``, 1.0 = torchao's high-precision copy) and, when that is
-    below ``e``, the attention kernel keeps its own O next to the out-projection's low-precision copy.
+    Without float8, or with ``float8_cache: auto`` under fsdp2 (:attr:`Workload.float8_cache_mode`), a saved
+    linear input costs ``e * f8_fraction`` (the coefficients' ``float8_saved_input_fraction``, 1.0 = torchao's
+    high-precision copy) and, when that is below ``e``, the attention kernel keeps its own O next to the
+    out-projection's low-precision copy.
     ``fp8``: every linear keeps its 1-byte input (Transformer Engine), O twice as above.  ``fine_grained``
     (DeepSeek-V3 Sec. 3.3.3): linear inputs in fp8 plus one fp32 scale per 1 x 128 tile, O cached once in
     E5M6 for the out-projection's and the attention's backward, the MoE SwiGLU inputs in fp8 as well."""

@@ -37,13 +37,13 @@ def pp_splits_to_search(args, given: dict, q: PlanInputs) -> tuple[str, ...] | N
     return None if stated else typing.get_args(typing.get_type_hints(Workload)["pp_split"])
 
 
-def tp_activations_to_search(args, given: dict, q: PlanInputs) -> tuple[str, ...] | None:
+def tp_activations_to_search(q: PlanInputs) -> tuple[str, ...] | None:
     """Both TP activation regimes titan-run runs -- ``auto`` (the gathered inputs kept) and ``sharded`` (the sequence
-    shards kept, all-gathered again in backward, on spmd_types eager blocks) -- when the question states none (flag,
-    plan file, --framework) under titan-run's fsdp2 state; None (the stated one) otherwise."""
-    stated = (getattr(args, "tp_activations", None) is not None or "tp_activations" in (given.get("workload") or {})
-              or "tp_activations" in get_framework(q.framework).workload)
-    return None if stated or q.workload.state_layout != "fsdp2" else ("auto", "sharded")
+    shards kept, all-gathered again in backward, on spmd_types eager blocks) -- when the question leaves the key
+    ``auto`` (not given by flag, plan file or --framework, or given as ``auto``: the tool's choice, as
+    `titan-plan estimate` reads it) under titan-run's fsdp2 state; None (the given one) otherwise."""
+    wl = q.workload
+    return ("auto", "sharded") if wl.tp_activations == "auto" and wl.state_layout == "fsdp2" else None
 
 
 def cmd_plan(args) -> int:
@@ -51,7 +51,7 @@ def cmd_plan(args) -> int:
     d = read_question(args.plan_file, args)[1]
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     space = load_space(args.space or default_space(q.model, q.workload))
-    splits, tpas = pp_splits_to_search(args, d, q), tp_activations_to_search(args, d, q)
+    splits, tpas = pp_splits_to_search(args, d, q), tp_activations_to_search(q)
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
                           coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
                           tp_activations=tpas)

@@ -206,7 +206,8 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
         else:
             why = "the fastest setting that fits"
             each = "; ".join(f"{'gathered' if w.tp_activations == 'auto' else w.tp_activations}: "
-                             f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, peak {pk / GIB:.1f} GiB"
+                             f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, "
+                             f"peak {pk / GIB:.1f} GiB"
                              for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
             notes = [f"tp-activations not given: 'sharded' (each TP block keeps its sequence shard and all-gathers it "
                      f"again in backward), {why} ({each})", *notes]

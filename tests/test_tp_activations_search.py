@@ -175,3 +175,19 @@ def test_a_stated_regime_is_estimated_on_any_layout(capsys):
     assert main(q) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["workload"]["tp_activations"] == "sharded" and doc["plan"]["compile"] is True
+
+
+def test_auto_is_the_tools_choice_in_a_plan_file_too(tmp_path, capsys):
+    """A plan file's ``tp_activations: auto`` (as titan-plan writes it) leaves the choice to the search, as an
+    unstated key does; a value other than auto is searched alone."""
+    space = tp4_eager_space()
+    f = tmp_path / "tp4_eager.yaml"
+    f.write_text(yaml.safe_dump({"name": "tp4_eager", "degrees": space.degrees, "knobs": space.knobs,
+                                 "tp_within_node": space.tp_within_node}))
+    for value, searched in (("auto", True), ("gathered", False)):
+        q = tmp_path / f"q_{value}.yaml"
+        q.write_text(yaml.safe_dump({"model": "llama3-70b", "hardware": "a100-80g", "plan": {"tp": 4, "dp_shard": 16},
+                                     "workload": {"seq_len": 8192, "global_batch": 128, "tp_activations": value}}))
+        assert main(["--plan", str(q), "--gpus", "64", "--space", str(f), "--no-write", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert ("tp_activations" in doc) is searched, value
