@@ -49,8 +49,7 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
         variants, rule = workload_variants(w, [c.plan])
         preds = [vr.predict(dataclasses.replace(c, workload=v)) for j, v in enumerate(variants)
                  if j == 0 or runnable_under(v, [c.plan])]
-        b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds],
-                               [p["device_peak_gib"] for p in preds])]
+        b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds])]
         if c.trained:
             trained += 1
             fit_full += a["fits"]
@@ -66,7 +65,8 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
             cut.append(eb)
             moved.append((eb - ea, c.id, ea, eb))
     return dict(n=len(full), full=(statistics.median(full), max(full)), cut=(statistics.median(cut), max(cut)),
-                fit=(fit_full, fit_cut, trained), refused=(ref_full, ref_cut, oom), moved=sorted(moved, reverse=True), differ=differ)
+                fit=(fit_full, fit_cut, trained), refused=(ref_full, ref_cut, oom), moved=sorted(moved, reverse=True),
+                differ=differ)
 
 
 def main(argv=None) -> int:

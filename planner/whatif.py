@@ -160,9 +160,9 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
     return [workload], "first_fit"
 
 
-def pick_variant(rule: str, fits: list[bool], step: list[float], peak: list[float]) -> int:
-    """Index of the variant `rule` keeps (:func:`workload_variants`), given each variant's pick: whether it fits,
-    its step time and its peak memory.  When none fits, the first (the default): the remedies name the change."""
+def pick_variant(rule: str, fits: list[bool], step: list[float]) -> int:
+    """Index of the variant `rule` keeps (:func:`workload_variants`), given each variant's pick: whether it fits
+    and its step time.  When none fits, the first (the default): the remedies name the change."""
     n = len(fits)
     if not any(fits):           # nothing fits: the default, whose remedies `titan-plan estimate` lists
         return 0
@@ -194,7 +194,7 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
     fits = [bool(r[1].fits[r[2]]) for r in runs]
     step = [float(r[1].step_time_s[r[2]]) for r in runs]
     peak = [float(r[1].peak_memory_bytes[r[2]]) for r in runs]
-    k = pick_variant(rule, fits, step, peak)
+    k = pick_variant(rule, fits, step)
     plan, est, row, ac_note, notes = runs[k]
     if k > 0:                   # the default is kept: nothing to say
         if variants[k].grad_dtype != workload.grad_dtype:

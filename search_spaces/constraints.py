@@ -235,4 +235,3 @@ def titan_run_limits(plan: Any, t: Target) -> list[tuple[str, str]]:
     message) pairs, in `check_plan`'s order."""
     return [(TITAN_RUN_LIMITS[r], r.message(plan, t)) for r in CHECK_ORDER
             if r in TITAN_RUN_LIMITS and not r.ok(plan, t)]
-
