@@ -29,7 +29,7 @@ from cost_models.frameworks import FRAMEWORKS
 from cost_models.specs import SpecError
 from cost_models.moe_traffic import a2a_overlap_blocker
 from search_spaces import constraints as C
-from search_spaces.plan import PLAN_KEYS, Plan, PlanError, tp_shards_unrunnable
+from search_spaces.plan import PLAN_KEYS, Plan, PlanError, grad_sync_unrunnable, tp_shards_unrunnable
 from search_spaces.table import CandidateTable
 
 from . import report
@@ -171,6 +171,19 @@ def pick_variant(rule: str, fits: list[bool], step: list[float]) -> int:
     return next(k for k in range(n) if fits[k])
 
 
+def workload_limits(plan: Plan, workload) -> list[tuple[str, str]]:
+    """The workload keys titan-run runs on some layouts only, that `plan` breaks under `workload`, as
+    `constraints.titan_run_limits` pairs (what is limited, why): a reduce-scatter after every micro-batch
+    under a split-backward schedule, TP sequence shards where titan-run keeps none (its own layout only)."""
+    out = []
+    if bool(grad_sync_unrunnable(plan, workload.pp_grad_sync)):
+        out.append(("schedule", C.R_GRAD_SYNC))
+    if (workload.state_layout == "fsdp2" and workload.tp_activations == "sharded"
+            and bool(tp_shards_unrunnable(plan))):
+        out.append(("layout", C.R_TP_SHARDS))
+    return out
+
+
 def runnable_under(workload, plans: list[Plan]) -> list[Plan]:
     """The plans titan-run runs under `workload`'s TP regime (all of them, except under ``sharded``)."""
     if workload.state_layout == "fsdp2" and workload.tp_activations == "sharded":
@@ -249,9 +262,10 @@ def cmd_estimate(args) -> int:
     if illegal:
         raise PlanError(f"layout is not legal: {illegal[0]}")
     not_runnable = C.titan_run_limits(plan, target)
+    workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs)
+    not_runnable += workload_limits(plan, workload)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
-    workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs)
     blocker = a2a_overlap_blocker(plan, workload)
     overlap_note = (f"ep_a2a_overlap 'combined_1f1b' does not apply to this layout ({blocker}); its all-to-alls "
                     "are counted exposed" if blocker else None)

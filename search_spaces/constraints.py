@@ -41,6 +41,7 @@ R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
 R_TIED = "titan-run keeps tied embeddings tied only with tp 1 and pp 1"
 R_MEMORY = "out of memory"
+R_GRAD_SYNC = "pp_grad_sync every_microbatch under a split-backward schedule"
 R_TP_SHARDS = ("tp_activations sharded: titan-run keeps TP sequence shards on backend spmd_types, eager, "
                "with ac none or full and no float8")
 

@@ -262,6 +262,15 @@ def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise PlanError(f"plan key '{key}' must be one of {', '.join(allowed)}; got {value!r}")
 
 
+def grad_sync_unrunnable(t, grad_sync: str) -> Any:
+    """Candidates (a `Plan` or table columns) on which titan-run cannot reduce-scatter the gradients after
+    every micro-batch (workload ``pp_grad_sync`` = `grad_sync`): a pipeline under a split-backward (V)
+    schedule computes the weight gradients in a later pass, after the micro-batch's FSDP post-backward has
+    run.  ``executor/config.py`` `grad_sync_error` refuses the same plans in one line
+    (``constraints.R_GRAD_SYNC``)."""
+    return (t.pp > 1) & t.is_v_schedule & (grad_sync == "every_microbatch")
+
+
 def tp_shards_unrunnable(t) -> Any:
     """Candidates (a `Plan` or table columns) with tp > 1 on which titan-run cannot keep the TP blocks'
     sequence shards (workload ``tp_activations: sharded``, ``executor/parallel/spmd_tensor_parallel.py``):

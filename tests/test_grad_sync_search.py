@@ -1,0 +1,92 @@
+"""A reduce-scatter after every micro-batch (workload ``pp_grad_sync: every_microbatch``) is something titan-run runs
+under GPipe, 1F1B and Interleaved1F1B only: the split-backward (V) schedules compute the weight gradients after the
+micro-batch's FSDP post-backward has run (``executor/config.py`` `grad_sync_error`).  titan-plan's search rejects
+those candidates (`search_spaces.plan.grad_sync_unrunnable`, `constraints.R_GRAD_SYNC`), so it never writes a plan
+titan-run refuses; ``titan-plan estimate`` still predicts such a layout and says in one line that it is a what-if."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+import yaml
+
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
+from executor.config import ConfigError, _check_workload_runs, grad_sync_error
+from planner.cli import main
+from planner.rank import plan_candidates
+from search_spaces import constraints as C
+from search_spaces.plan import SCHEDULES, V_SCHEDULES, Plan, grad_sync_unrunnable
+from search_spaces.space import load_space
+
+V3, H100 = load_model("deepseek-v3-671b"), load_hardware("h100-sxm")
+WL = Workload(seq_len=4096, global_batch=128)
+
+
+def _plan(schedule: str, pp: int) -> Plan:
+    multi = schedule in V_SCHEDULES or schedule == "Interleaved1F1B"
+    return Plan(dp_shard=2, pp=pp, schedule=schedule, stages_per_rank=2 if multi and pp > 1 else 1, microbatch=1,
+                n_microbatches=4)
+
+
+# every schedule with a pipeline, and the single-stage ones without (the multi-stage ones need pp > 1)
+CASES = [(s, pp) for s in SCHEDULES for pp in (1, 2) if pp > 1 or s in ("GPipe", "1F1B")]
+
+
+@pytest.mark.parametrize("schedule, pp, grad_sync", [(s, pp, g) for (s, pp), g in itertools.product(
+    CASES, ("last_microbatch", "every_microbatch"))])
+def test_the_rule_is_the_executors(schedule, pp, grad_sync):
+    """`grad_sync_unrunnable` says no exactly where titan-run refuses the workload's ``pp_grad_sync``."""
+    plan = _plan(schedule, pp)
+    refused = True
+    try:
+        _check_workload_runs(Workload(seq_len=256, global_batch=8, pp_grad_sync=grad_sync), plan)
+        refused = False
+    except ConfigError:
+        pass
+    assert bool(grad_sync_unrunnable(plan, grad_sync)) == refused == (grad_sync_error(plan, grad_sync) is not None)
+    assert refused == (grad_sync == "every_microbatch" and pp > 1 and schedule in V_SCHEDULES)
+
+
+def test_the_search_keeps_only_what_titan_run_runs():
+    """DeepSeek-V3 on 1,024 H100s: a V schedule is the fastest layout under either setting before the rule
+    (DualPipeV), so the rule changes the pick; every rejected candidate is a V pipeline, counted once."""
+    space = load_space("moe")
+    every = plan_candidates(space, V3, H100, dataclasses.replace(WL, pp_grad_sync="every_microbatch"),
+                            world_size=1024)
+    last = plan_candidates(space, V3, H100, WL, world_size=1024)
+    bad = grad_sync_unrunnable(every.table, "every_microbatch")
+    assert bad.any() and not bad[every.order].any()
+    assert any(r.reason == C.R_GRAD_SYNC and r.count == int(bad.sum()) for r in every.rejected)
+    assert not any(r.reason == C.R_GRAD_SYNC for r in last.rejected)
+    assert last.table.plan(last.best()).schedule in V_SCHEDULES        # the default keeps V schedules
+    assert every.table.plan(every.best()).schedule not in V_SCHEDULES
+    # the rejected V candidates would otherwise fit: the rule, not memory, removes them
+    assert (bad & (every.est.peak_memory_bytes <= every.est.capacity_bytes)).any()
+
+
+def test_the_written_plan_is_one_titan_run_takes(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    q = ["--model", "deepseek-v3-671b", "--gpus", "1024", "--hardware", "h100-sxm", "--seq-len", "4096",
+         "--global-batch", "128", "--pp-grad-sync", "every_microbatch", "--out", str(out)]
+    assert main(q) == 0
+    text = capsys.readouterr().out
+    assert f"candidates: {C.R_GRAD_SYNC}" in text
+    doc = yaml.safe_load(out.read_text())
+    plan, wl = Plan(**doc["plan"]), Workload(**doc["workload"])
+    assert plan.pp > 1 and plan.schedule not in V_SCHEDULES and wl.pp_grad_sync == "every_microbatch"
+    _check_workload_runs(wl, plan)                         # titan-run's own check of the workload keys: passes
+
+
+def test_the_estimate_predicts_it_as_a_what_if(capsys):
+    q = ["estimate", "--model", "llama3-70b", "--gpus", "64", "--hardware", "h100-sxm", "--pp", "4", "--dp-shard",
+         "16", "--schedule", "ZBVZeroBubble", "--stages-per-rank", "2", "--ac", "full", "--seq-len", "8192",
+         "--global-batch", "128"]
+    assert main([*q, "--pp-grad-sync", "every_microbatch", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["titan_run_can_run"] is False and C.R_GRAD_SYNC in doc["note"]
+    assert doc["predicted"]["step_time_s"] > 0
+    assert main([*q, "--json"]) == 0                       # the default (last micro-batch) runs there
+    assert json.loads(capsys.readouterr().out)["titan_run_can_run"] is True
