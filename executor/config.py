@@ -38,7 +38,8 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
-from search_spaces.constraints import TIED, Target, check_plan, replicate_split_backward_error
+from search_spaces.constraints import (TIED, Target, check_plan, float8_tp_backend_error,
+                                       replicate_split_backward_error)
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
@@ -413,9 +414,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if plan.cp > 1 and not _module_exists("executor.parallel.context_parallel"):
         raise ConfigError("plan key 'cp' > 1 needs executor/parallel/context_parallel.py, which is not installed")
     if plan.float8:
-        if plan.tp > 1 and plan.backend == "dtensor":
-            raise ConfigError("plan key 'float8' with tp > 1 runs on backend spmd_types only (torchao's float8 TP "
-                              "styles for DTensor are not wired here): set backend: spmd_types, or tp: 1")
+        err = float8_tp_backend_error(plan, plan.backend)
+        if err:
+            raise ConfigError(err)
         if not _module_exists("torchao"):
             raise ConfigError("plan key 'float8' is true but torchao is not installed (pip install torchao)")
     tok = check_tokenizer(cfg.train.tokenizer, spec)     # it loads, its vocabulary fits (executor/tokenizer.py)

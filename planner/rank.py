@@ -12,7 +12,7 @@ from cost_models.specs import HardwareSpec, ModelSpec
 from cost_models.workload import Workload
 from search_spaces import constraints as C
 from search_spaces.enumerate import Enumeration, Rejection, enumerate_plans
-from search_spaces.plan import grad_sync_unrunnable, tp_shards_unrunnable
+from search_spaces.plan import backend_unrunnable, grad_sync_unrunnable, tp_shards_unrunnable
 from search_spaces.space import SearchSpace
 from search_spaces.table import CandidateTable
 from search_spaces.typed import MAX_WORLD_SIZE, InputError
@@ -179,7 +179,6 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
     cannot = tp_shards_unrunnable(en.table) if shards else np.zeros(len(en.table), dtype=bool)
-    no_sync = grad_sync_unrunnable(en.table, workload.pp_grad_sync) & ~cannot
     if reuse:       # tp 1 is the same under both regimes; what cannot run is rejected below
         changed = np.flatnonzero((en.table.tp > 1) & ~cannot)
         est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))
@@ -189,13 +188,18 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     step, peak = (est.step_time_p90_s, est.peak_memory_p90_bytes) if p90 else (est.step_time_s, est.peak_memory_bytes)
     limit = est.capacity_bytes * (1.0 - memory_margin)
     rejected = list(en.rejected)
-    if cannot.any():
-        rejected.append(Rejection(C.R_TP_SHARDS, int(cannot.sum()), "candidates"))
-    if no_sync.any():
-        rejected.append(Rejection(C.R_GRAD_SYNC, int(no_sync.sum()), "candidates"))
-    cannot = cannot | no_sync
-    fits = (peak <= limit) & ~cannot
-    n_oom = int(((peak > limit) & ~cannot).sum())
+    # what titan-run refuses under this workload and backend (executor/config.py's one-line refusals), each
+    # candidate counted under the first reason
+    refused = np.zeros(len(en.table), dtype=bool)
+    for reason, mask in ((C.R_TP_SHARDS, cannot),
+                         (C.R_GRAD_SYNC, grad_sync_unrunnable(en.table, workload.pp_grad_sync)),
+                         (C.R_BACKEND, backend_unrunnable(en.table))):
+        new = mask & ~refused
+        if new.any():
+            rejected.append(Rejection(reason, int(new.sum()), "candidates"))
+        refused |= new
+    fits = (peak <= limit) & ~refused
+    n_oom = int(((peak > limit) & ~refused).sum())
     if n_oom:
         rejected.append(Rejection(C.R_MEMORY + (" (p90 bound)" if p90 else ""), n_oom, "candidates"))
     idx = np.flatnonzero(fits)

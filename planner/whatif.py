@@ -29,7 +29,8 @@ from cost_models.frameworks import FRAMEWORKS
 from cost_models.specs import SpecError
 from cost_models.moe_traffic import a2a_overlap_blocker
 from search_spaces import constraints as C
-from search_spaces.plan import PLAN_KEYS, Plan, PlanError, grad_sync_unrunnable, tp_shards_unrunnable
+from search_spaces.plan import (PLAN_KEYS, Plan, PlanError, backend_unrunnable, grad_sync_unrunnable,
+                                tp_shards_unrunnable)
 from search_spaces.table import CandidateTable
 
 from . import report
@@ -172,15 +173,18 @@ def pick_variant(rule: str, fits: list[bool], step: list[float]) -> int:
 
 
 def workload_limits(plan: Plan, workload) -> list[tuple[str, str]]:
-    """The workload keys titan-run runs on some layouts only, that `plan` breaks under `workload`, as
+    """What titan-run runs on some layouts only, that `plan` breaks under `workload` and its backend, as
     `constraints.titan_run_limits` pairs (what is limited, why): a reduce-scatter after every micro-batch
-    under a split-backward schedule, TP sequence shards where titan-run keeps none (its own layout only)."""
+    under a split-backward schedule, TP sequence shards where titan-run keeps none (its own layout only),
+    the dtensor backend's refusals."""
     out = []
     if bool(grad_sync_unrunnable(plan, workload.pp_grad_sync)):
         out.append(("schedule", C.R_GRAD_SYNC))
     if (workload.state_layout == "fsdp2" and workload.tp_activations == "sharded"
             and bool(tp_shards_unrunnable(plan))):
         out.append(("layout", C.R_TP_SHARDS))
+    if bool(backend_unrunnable(plan)):
+        out.append(("layout", C.R_BACKEND))
     return out
 
 

@@ -42,6 +42,8 @@ R_WORLD = "degrees do not multiply to the world size"
 R_TIED = "titan-run keeps tied embeddings tied only with tp 1 and pp 1"
 R_MEMORY = "out of memory"
 R_GRAD_SYNC = "pp_grad_sync every_microbatch under a split-backward schedule"
+R_BACKEND = ("backend dtensor: float8 with tp > 1, or a split-backward pipeline with replicate-only data "
+             "parallelism")
 R_TP_SHARDS = ("tp_activations sharded: titan-run keeps TP sequence shards on backend spmd_types, eager, "
                "with ac none or full and no float8")
 
@@ -212,6 +214,15 @@ def replicate_split_backward_error(plan: Any, backend: str) -> str | None:
         return (f"schedule {plan.schedule} with dp_replicate > 1 and dp_shard * cp = 1 runs on backend spmd_types "
                 "only: on dtensor its split backward's gradients do not match one process; set backend: "
                 "spmd_types, or shard the data-parallel ranks (dp_shard > 1)")
+    return None
+
+
+def float8_tp_backend_error(plan: Any, backend: str) -> str | None:
+    """Why titan-run refuses `plan` on `backend` for float8, or None: its float8 linears with tp > 1 are
+    torchao's float8 over the spmd_types TP styles; torchao's DTensor float8 TP styles are not wired."""
+    if bool(plan.float8) and plan.tp > 1 and backend == "dtensor":
+        return ("plan key 'float8' with tp > 1 runs on backend spmd_types only (torchao's float8 TP styles for "
+                "DTensor are not wired here): set backend: spmd_types, or tp: 1")
     return None
 
 

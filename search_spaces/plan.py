@@ -271,6 +271,16 @@ def grad_sync_unrunnable(t, grad_sync: str) -> Any:
     return (t.pp > 1) & t.is_v_schedule & (grad_sync == "every_microbatch")
 
 
+def backend_unrunnable(t) -> Any:
+    """Candidates (a `Plan` or table columns) titan-run refuses on their backend: on dtensor, float8 with tp > 1
+    (`constraints.float8_tp_backend_error`) and a split-backward (V) pipeline whose data parallelism is
+    replicas only (`constraints.replicate_split_backward_error`); ``constraints.R_BACKEND``."""
+    backend = t.backend
+    dtensor = backend == "dtensor" if isinstance(backend, str) else backend == BACKENDS.index("dtensor")
+    v_replicas = (t.pp > 1) & t.is_v_schedule & (t.dp_replicate > 1) & (t.fsdp_size == 1)
+    return dtensor & ((t.float8 & (t.tp > 1)) | v_replicas)
+
+
 def tp_shards_unrunnable(t) -> Any:
     """Candidates (a `Plan` or table columns) with tp > 1 on which titan-run cannot keep the TP blocks'
     sequence shards (workload ``tp_activations: sharded``, ``executor/parallel/spmd_tensor_parallel.py``):
