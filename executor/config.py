@@ -376,13 +376,32 @@ def _check_workload_runs(wl, plan: Plan) -> None:
 
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Every check that can run before a process group exists."""
-    plan, spec = cfg.plan, cfg.spec
+    plan = cfg.plan
+    check_plan_runs(plan, cfg.spec, cfg.workload, world_size)
+    if plan.pp > 1 and not _module_exists("executor.parallel.pipeline"):
+        raise ConfigError("plan key 'pp' > 1 needs executor/parallel/pipeline.py, which is not installed")
+    if plan.cp > 1 and not _module_exists("executor.parallel.context_parallel"):
+        raise ConfigError("plan key 'cp' > 1 needs executor/parallel/context_parallel.py, which is not installed")
+    if plan.float8 and not _module_exists("torchao"):
+        raise ConfigError("plan key 'float8' is true but torchao is not installed (pip install torchao)")
+    tok = check_tokenizer(cfg.train.tokenizer, cfg.spec)     # it loads, its vocabulary fits (executor/tokenizer.py)
+    if cfg.train.data != "stdlib" and not _exists(Path(cfg.train.data)):
+        raise ConfigError(f"train key 'data': {show(cfg.train.data)} does not exist (a .txt/.jsonl file, a folder, "
+                          "or 'stdlib')")
+    check_corpus(cfg.train.data, tok, cfg.train.max_corpus_bytes, seq_len=cfg.seq_len,   # executor/data.py
+                 global_batch=cfg.global_batch)
+
+
+def check_plan_runs(plan: Plan, spec, wl, world_size: int) -> None:
+    """Whether titan-run runs `plan` of model `spec` under workload `wl` on `world_size` ranks, whatever this
+    machine has installed: the plan's degrees and rules, the model's, the workload keys, the backend's (raises
+    ConfigError in one line).  ``titan-plan`` writes only plans that pass (tests/test_written_plans_run.py)."""
     try:
         plan.check_world(world_size)
     except PlanError as e:
         raise ConfigError(str(e)) from None
-    target = Target.of(spec, world_size=world_size, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                       gpus_per_node=max(world_size, 1), pp_weighted=cfg.workload.pp_weighted)
+    target = Target.of(spec, world_size=world_size, seq_len=wl.seq_len, global_batch=wl.global_batch,
+                       gpus_per_node=max(world_size, 1), pp_weighted=wl.pp_weighted)
     if plan.ep > 1 and not spec.is_moe:
         raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
                           "expert parallelism needs a mixture-of-experts model (set ep: 1)")
@@ -399,32 +418,13 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if problems:
         reason, msg = problems[0]
         raise ConfigError(f"plan does not fit: {msg} ({reason})")
-    wl = cfg.workload
     if wl.seq_len > spec.max_seq_len:
         raise ConfigError(f"workload key 'seq_len' ({wl.seq_len}) is more than model '{spec.name}' allows "
                           f"(max_seq_len {spec.max_seq_len})")
     _check_workload_runs(wl, plan)
-    err = replicate_split_backward_error(plan, plan.backend)
-    if err:
-        raise ConfigError(err)
-    if cfg.train.warmup > cfg.train.steps:
-        pass  # allowed: the run stays in warmup
-    if plan.pp > 1 and not _module_exists("executor.parallel.pipeline"):
-        raise ConfigError("plan key 'pp' > 1 needs executor/parallel/pipeline.py, which is not installed")
-    if plan.cp > 1 and not _module_exists("executor.parallel.context_parallel"):
-        raise ConfigError("plan key 'cp' > 1 needs executor/parallel/context_parallel.py, which is not installed")
-    if plan.float8:
-        err = float8_tp_backend_error(plan, plan.backend)
+    for err in (replicate_split_backward_error(plan, plan.backend), float8_tp_backend_error(plan, plan.backend)):
         if err:
             raise ConfigError(err)
-        if not _module_exists("torchao"):
-            raise ConfigError("plan key 'float8' is true but torchao is not installed (pip install torchao)")
-    tok = check_tokenizer(cfg.train.tokenizer, spec)     # it loads, its vocabulary fits (executor/tokenizer.py)
-    if cfg.train.data != "stdlib" and not _exists(Path(cfg.train.data)):
-        raise ConfigError(f"train key 'data': {show(cfg.train.data)} does not exist (a .txt/.jsonl file, a folder, "
-                          "or 'stdlib')")
-    check_corpus(cfg.train.data, tok, cfg.train.max_corpus_bytes, seq_len=cfg.seq_len,   # executor/data.py
-                 global_batch=cfg.global_batch)
 
 
 def _exists(p: Path, *, file: bool = False) -> bool:
