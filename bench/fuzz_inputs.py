@@ -251,6 +251,8 @@ def space_docs() -> list[tuple[str, dict]]:
 PLAN_FLAG_BADS = {
     "--gpus": ["0", "-1", str(HUGE), str(2 ** 63), str(2 ** 20 + 1)],
     "--gpus-per-node": ["0", "-4", str(HUGE)],
+    "--nic-gbps": ["0", "-100", "nan", "inf", "x"],
+    "--gpus-per-nic": ["0", "-2", "nan", "inf"],
     "--seq-len": ["0", "-1", str(HUGE)],
     "--global-batch": ["0", "-8", str(HUGE)],
     "--global-batch-tokens": ["abc", "0", "1.5", "-4M", "4X", "99999999999999999999999G", "nan", "inf", "100"],
@@ -278,7 +280,8 @@ def estimate_plan_docs() -> list[tuple[str, dict]]:
     base = {"model": "llama3-debug", "hardware": "cpu", "workload": {"seq_len": 64, "global_batch": 8},
             "plan": {"dp_shard": 2, "microbatch": 4}, "inputs": {"gpus": 2, "gpus_per_node": 2}}
     out = []
-    for key, bads in (("gpus", [0, -1, "x", HUGE, True, 1.5]), ("gpus_per_node", [0, "x", HUGE, -2])):
+    for key, bads in (("gpus", [0, -1, "x", HUGE, True, 1.5]), ("gpus_per_node", [0, "x", HUGE, -2]),
+                      ("nic_gbps", [0, "x", -1, True, float("nan")]), ("gpus_per_nic", [0, "x", True])):
         for v in bads:
             d = copy.deepcopy(base)
             d["inputs"][key] = v

@@ -537,15 +537,27 @@ def _spec_ref(spec, kind: str, folder: Path, stem: str) -> str:
     return str(path)
 
 
+def _hardware_args(hw, folder: Path, stem: str) -> list[str]:
+    """--hardware as a preset, with --nic-gbps / --gpus-per-nic where the row states its cluster's NICs (BLOOM's
+    Jean Zay: a100-80g with four 100 Gb/s Omni-Path links per node), else as a YAML file written to `folder`."""
+    if (PRESET_DIR / "hardware" / f"{hw.name}.yaml").is_file() and hw.nic_gbps is not None:
+        base = dataclasses.replace(load_hardware(hw.name), gpus_per_node=hw.gpus_per_node)
+        if base != hw and dataclasses.replace(base, inter_node_bw_gbs=None, nic_gbps=hw.nic_gbps,
+                                              gpus_per_nic=hw.gpus_per_nic) == hw:
+            return ["--hardware", hw.name, "--nic-gbps", f"{hw.nic_gbps:g}", "--gpus-per-nic", f"{hw.gpus_per_nic:g}"]
+    return ["--hardware", _spec_ref(hw, "hardware", folder, stem)]
+
+
 def cli_args(case: Case, folder: Path) -> list[str]:
     """The row as a ``titan-plan estimate`` command line (the arguments after ``titan-plan``): every plan
-    and workload key as a flag, the model and hardware as presets or as YAML files written to `folder`.
+    and workload key as a flag, the model and hardware as presets (a cluster's stated NICs by flag) or as YAML files
+    written to `folder`.
     It predicts what :func:`predict` does (tests/test_reference_accuracy.py runs every scored row)."""
     folder.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", case.id)
     wl, plan = case.workload, case.plan
     argv = ["estimate", "--model", _spec_ref(case.model, "models", folder, stem),
-            "--hardware", _spec_ref(case.hw, "hardware", folder, stem), "--gpus", str(plan.world_size),
+            *_hardware_args(case.hw, folder, stem), "--gpus", str(plan.world_size),
             "--gpus-per-node", str(case.hw.gpus_per_node), "--seq-len", str(wl.seq_len),
             "--global-batch", str(wl.global_batch)]
     for key, flag in PLAN_FLAGS.items():

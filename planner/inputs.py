@@ -148,12 +148,14 @@ class PlanInputs:
     hardware_ref: str
     calibration: str | None = None
     framework: str = "titan-run"  # the regime the workload and overlap defaults came from (--framework)
+    nics_given: bool = False      # --nic-gbps / --gpus-per-nic (or the plan file's) replaced the spec's NICs
 
     def echo(self) -> dict[str, Any]:
         """Every input, as plain values (``--json`` and the plan file's ``inputs:``)."""
         w = self.workload
         return {"model": self.model_ref, "hardware": self.hardware_ref, "gpus": self.gpus,
-                "gpus_per_node": self.gpus_per_node, "seq_len": w.seq_len, "global_batch": w.global_batch,
+                "gpus_per_node": self.gpus_per_node, "nic_gbps": self.hardware.nic_gbps,
+                "gpus_per_nic": self.hardware.gpus_per_nic, "seq_len": w.seq_len, "global_batch": w.global_batch,
                 "global_batch_tokens": w.global_batch_tokens, "dtype": w.dtype, "workload": w.to_dict(),
                 "calibration": self.calibration, "framework": self.framework,
                 "local_devices": self.local.description if self.local else None}
@@ -167,7 +169,9 @@ class PlanInputs:
                 f"{w.dtype}{extra}")
 
     def headline(self) -> str:
-        return (f"{self.model.name} on {self.gpus} x {self.hardware.name} ({self.gpus_per_node} per node), "
+        h = self.hardware
+        nics = f", a {h.nic_gbps:g} Gb/s NIC per {h.gpus_per_nic:g}" if self.nics_given else ""
+        return (f"{self.model.name} on {self.gpus} x {h.name} ({self.gpus_per_node} per node{nics}), "
                 f"{self.workload_line()}" + (f", framework {self.framework}" if self.framework != "titan-run" else "")
                 + (f"  [local: {self.local.description}]" if self.local else ""))
 
@@ -183,6 +187,12 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, help="number of devices (default: this machine's)")
     p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node (default: from the hardware spec)")
+    p.add_argument("--nic-gbps", type=float, metavar="GBPS",
+                   help="line rate of one inter-node NIC in Gb/s, e.g. 100 for Omni-Path or EFA v1, 400 for NDR "
+                        "InfiniBand (default: from the hardware spec)")
+    p.add_argument("--gpus-per-nic", type=float, metavar="N",
+                   help="devices sharing one inter-node NIC, e.g. 2 for four NICs on an 8-GPU node (default: from "
+                        "the hardware spec; 1 where --nic-gbps is given and the spec has no NICs)")
     p.add_argument("--calibration", help="calibration file from 'titan-plan calibrate'")
     p.add_argument("--framework", metavar="NAME",
                    help="start from the workload keys and overlaps another framework's runs use, to check a "
@@ -237,6 +247,7 @@ def read_question(path: str | None, args) -> tuple[dict[str, Any], dict[str, Any
     inputs = pf.get("inputs") or {}
     d = {"model": pf.get("model"), "hardware": pf.get("hardware"), "workload": pf.get("workload"),
          "gpus": inputs.get("gpus"), "gpus_per_node": inputs.get("gpus_per_node"),
+         "nic_gbps": inputs.get("nic_gbps"), "gpus_per_nic": inputs.get("gpus_per_nic"),
          "framework": inputs.get("framework")}
     if d["gpus"] is None and args.gpus is None:   # the plan's own world
         d["gpus"] = Plan.from_dict(given, where=f"{path}: plan", runnable=False).world_size
@@ -263,13 +274,17 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     _check_count("--gpus-per-node (or the plan file's inputs.gpus_per_node)", gpn)
     if gpn != hw.gpus_per_node:      # the topology given (or this host's process count) decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpn))
+    nic_args = (getattr(args, "nic_gbps", None), d.get("nic_gbps"), getattr(args, "gpus_per_nic", None),
+                d.get("gpus_per_nic"))
+    hw = _with_nics(hw, *nic_args)
     fw = get_framework(_given(getattr(args, "framework", None), d.get("framework"), "titan-run"))
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
                                 where=f"{where}: workload", base=fw.workload)
     coeffs = Coefficients.load(args.calibration) if args.calibration else None
     return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
                       local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),
-                      calibration=args.calibration, framework=fw.name)
+                      calibration=args.calibration, framework=fw.name,
+                      nics_given=any(v is not None for v in nic_args))
 
 
 def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: HardwareSpec, gpus: int,
@@ -301,6 +316,22 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
 def _given(*values: Any) -> Any:
     """The first value that is not None (a flag, then the plan file, then the default)."""
     return next(v for v in values if v is not None)
+
+
+def _with_nics(hw: HardwareSpec, nic_flag, nic_file, per_flag, per_file) -> HardwareSpec:
+    """`hw` with the inter-node NICs given by --nic-gbps / --gpus-per-nic (or the plan file's
+    ``inputs.nic_gbps`` / ``inputs.gpus_per_nic``) in place of its own; the per-GPU inter-node bandwidth follows
+    from them (`HardwareSpec`: nic_gbps / 8 / gpus_per_nic)."""
+    if nic_flag is None and nic_file is None and per_flag is None and per_file is None:
+        return hw
+    nic, per = _given(nic_flag, nic_file, hw.nic_gbps, False), _given(per_flag, per_file, hw.gpus_per_nic, 1.0)
+    if nic is False:
+        raise UsageError(f"--gpus-per-nic needs --nic-gbps: hardware '{hw.name}' gives no NIC line rate")
+    for what, v in (("--nic-gbps (or the plan file's inputs.nic_gbps)", nic),
+                    ("--gpus-per-nic (or the plan file's inputs.gpus_per_nic)", per)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise UsageError(f"{what} must be a positive number, got {show(v)}")
+    return dataclasses.replace(hw, inter_node_bw_gbs=None, nic_gbps=float(nic), gpus_per_nic=float(per))
 
 
 def _check_count(what: str, v: Any, *, most: int = MAX_WORLD_SIZE) -> None:
