@@ -417,12 +417,18 @@ class Workload:
         """`coeffs` with ``tp_overlap`` / ``dp_overlap`` set by ``tp_comm_overlap`` / ``dp_comm_overlap``
         (none -> 0, full -> 1, async -> the coefficients' ``async_tp_overlap``, what TorchTitan's async TP was
         measured to hide); ``auto`` keeps the coefficients' own value, except TP under
-        :meth:`tp_overlap_auto` (given the hardware `hw`), which is ``full``."""
+        :meth:`tp_overlap_auto` (given the hardware `hw`), which is ``full``, and DP on a CPU host (``device:
+        cpu``), which is ``none`` (with context parallelism's ring: gloo's collectives run on the compute's cores)."""
         over = {name: 0.0 if value == "none" else coeffs.async_tp_overlap if value == "async" else 1.0
                 for name, value in (("tp_overlap", self.tp_comm_overlap), ("dp_overlap", self.dp_comm_overlap))
                 if value != "auto"}
         if self.tp_overlap_auto(hw):
             over["tp_overlap"] = 1.0
+        if self.dp_comm_overlap == "auto" and getattr(hw, "device", "") == "cpu":
+            # a CPU host has no copy engine: gloo runs each collective (socket copies, the reduction) in host
+            # threads on the cores the compute runs on, so FSDP's prefetched all-gathers, its reduce-scatters and
+            # the ring attention's exchanges add their time to the step instead of hiding under compute
+            over.update(dp_overlap=0.0, cp_overlap=0.0)
         return coeffs.replace(**over) if over else coeffs
 
     @property

@@ -82,3 +82,24 @@ def test_titan_run_refuses_what_it_does_not_run(tmp_path):
     assert_titan_run_refuses(tmp_path, "tp_comm_overlap", "full", ["auto", "none"])
     assert_titan_run_refuses(tmp_path, "tp_comm_overlap", "async", ["auto", "none"])
     assert_titan_run_refuses(tmp_path, "dp_comm_overlap", "none", ["auto", "full"])
+
+
+
+def test_on_a_cpu_host_auto_overlaps_nothing():
+    """gloo runs its collectives in host threads on the cores the compute uses: on a ``device: cpu`` host an
+    unstated ``dp_comm_overlap`` is ``none`` (and the CP ring's exchanges are not hidden either); a stated value
+    and an accelerator keep theirs."""
+    cpu, debug = load_hardware("cpu"), load_model("llama3-debug")
+    t = CandidateTable.from_plans([Plan(dp_shard=2, microbatch=8, compile=True), Plan(cp=2, microbatch=8)])
+    auto, full = (Workload(seq_len=256, global_batch=16, **kw) for kw in ({}, {"dp_comm_overlap": "full"}))
+
+    def est(w, coeffs=None, hw=cpu):
+        return estimate(t, debug, hw, w, coeffs or Coefficients())
+
+    serial = Coefficients(dp_overlap=0.0, cp_overlap=0.0)
+    assert np.array_equal(est(auto).step_time_s, est(auto, serial).step_time_s)
+    assert est(auto).time["dp_comm"][0] > 2 * est(full).time["dp_comm"][0]       # the FSDP plan's collectives
+    assert est(auto).time["cp_comm"][1] > est(full).time["cp_comm"][1]            # the CP ring's exchanges
+    # an accelerator keeps the coefficients' overlap under auto
+    assert np.array_equal(est(auto, hw=H100).step_time_s, est(full, hw=H100).step_time_s)
+    assert (est(auto, serial, hw=H100).step_time_s > est(auto, hw=H100).step_time_s).all()
