@@ -476,7 +476,13 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     # a stage); the V schedules put the last stage on rank 0, so there the head stays in
     v_shape = table.is_v_schedule
     body = np.where(v_shape, 0.0, 1.0)
-    bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"], st["W"] - body * st["head_W"])
+    W = st["W"] - body * st["head_W"]
+    # titan-run's split-backward (V) schedules over compiled blocks run each micro-batch's whole backward in its input
+    # pass (executor/parallel/pipeline.py: torch's deferred weight pass through compiled blocks gives wrong weight
+    # gradients), so no weight work fills the bubble: W counts with B
+    whole = (table.is_v_schedule & table.compile) if workload.state_layout == "fsdp2" else np.zeros(n, dtype=bool)
+    bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"] + np.where(whole, W, 0.0),
+                                 np.where(whole, 0.0, W))
 
     facts = broadcast_rows(layout_facts(sub, model, **workload.layout_keys), inverse)
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)

@@ -476,23 +476,26 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
         raise ValueError(err)
     stage_cls = _stage_class(backward_context, sync_every_microbatch=grad_sync == "every_microbatch")
     cls = schedule_class(plan.schedule)
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+        # the input backward retains the graph for the weight pass, with or without FSDP (pp alone included)
+        _allow_retained_compiled_backward()
     if plan.schedule in SPLIT_BACKWARD_SCHEDULES and plan.fsdp_size > 1:
         # (with dp_shard * cp = 1 FSDP only replicates, dp_replicate: the parameters are never sharded, and
         # torch refuses reshard_after_forward on a replicate-only mesh with a bare AssertionError)
         _keep_fsdp_params_unsharded(stages, plan.schedule)
-        _allow_retained_compiled_backward()
     device = torch.device(device)
     group = pp_mesh.get_group()
     positions = _Positions()
     stage_kwargs = {}
-    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and _uses_fsdp(stages) and (plan.compile or _uses_compile(stages)):
-        # Split input/weight backward through FSDP-wrapped compiled blocks gave wrong weight
-        # gradients (feed_forward.w1 ~0, ffn_norm off by ~25%; torch 2.14, ZBVZeroBubble,
-        # PP2 x FSDP2, per-block compile).  With a dw_builder, the stage runs the full backward
-        # in the I step and the W step runs the (empty) builder: exact, same schedule order,
-        # weight-gradient work no longer fills the bubble.
-        log.warning("schedule %s with FSDP and compile: running the full backward in the I step "
-                    "(zero-bubble weight deferral disabled for correctness)", plan.schedule)
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES and (plan.compile or _uses_compile(stages)):
+        # Split input/weight backward through compiled blocks gives wrong weight gradients, with FSDP
+        # (feed_forward.w1 ~0, ffn_norm off by ~25%; torch 2.14, ZBVZeroBubble, PP2 x FSDP2, per-block
+        # compile) and without (pp 2 alone: the loss 0.8% off the eager run's by the third step).  With a
+        # dw_builder, the stage runs the full backward in the I step and the W step runs the (empty)
+        # builder: exact, same schedule order, weight-gradient work no longer fills the bubble (the cost
+        # model's bubble for titan-run's compiled V schedules: step_time.bubble_microbatches).
+        log.info("schedule %s with compile: running the full backward in the I step (zero-bubble weight "
+                 "deferral disabled for correctness)", plan.schedule)
         stage_kwargs["dw_builder"] = _no_deferred_weight_grad
     pstages = []
     for idx, module in stages:
