@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from cost_models.specs import ModelSpec
+from search_spaces.constraints import float8_tp_backend_error
 from search_spaces.plan import Plan
 
 from ..init import init_weights
@@ -142,10 +143,9 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     with ac none (with ac full the checkpointed blocks save nothing inside: it changes nothing).  Compiled
     blocks get TP boundaries with their types erased, traced into the graph
     (``spmd_tensor_parallel.ERASED_OPS``), unless `typecheck` (``train.spmd_typecheck``) keeps them typed."""
-    if plan.float8 and plan.tp > 1 and backend != "spmd_types":
-        # the dtensor path has no float8 TP here; the spmd path gives the sharded operands global scales
-        raise ValueError(f"plan key 'float8' with tp > 1 runs on backend spmd_types only, not {backend!r}: "
-                         "set float8: false or tp: 1")
+    err = float8_tp_backend_error(plan, backend)   # the spmd path gives the sharded operands global scales
+    if err:
+        raise ValueError(err)
     if plan.float8:
         apply_float8(module)
     if tp_activations == "sharded" and plan.tp > 1 and (backend != "spmd_types" or plan.compile
