@@ -61,8 +61,19 @@ def time_breakdown(table, model, hw, workload, coeffs: Coefficients | None = Non
     """Seconds per step of every candidate by `TIME_KEYS` (their sum is the step time), the
     workload's overlap switches applied to `coeffs` as `estimate` applies them."""
     coeffs = workload.with_overlaps(coeffs or Coefficients(), hw)     # tp_comm_overlap / dp_comm_overlap
-    tim = step_time_breakdown(table, model, hw, workload, coeffs)
-    return {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(len(table)) for k in TIME_KEYS}
+    n = len(table)
+    worlds = np.unique(table.world_size) if n else np.zeros(0, dtype=np.int64)
+    if len(worlds) <= 1:        # one job size (every search): the device as one of its processes sees it
+        hw_run = hw.for_world(int(worlds[0])) if len(worlds) else hw
+        tim = step_time_breakdown(table, model, hw_run, workload, coeffs)
+        return {k: np.asarray(tim[k], dtype=np.float64) + np.zeros(n) for k in TIME_KEYS}
+    out = {k: np.zeros(n) for k in TIME_KEYS}
+    for w in worlds:            # plans of several job sizes (a calibration set): each with its own threads
+        idx = np.flatnonzero(table.world_size == w)
+        tim = step_time_breakdown(table.take(idx), model, hw.for_world(int(w)), workload, coeffs)
+        for k in TIME_KEYS:
+            out[k][idx] = np.asarray(tim[k], dtype=np.float64) + np.zeros(len(idx))
+    return out
 
 
 def memory_by_key(table, model, hw, workload, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
@@ -89,7 +100,9 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     step = sum(tim[k] for k in TIME_KEYS)
     world = table.world_size.astype(np.float64)
     tokens_per_s = workload.global_batch_tokens / step
-    peak_flops = (hw.peak_tflops_fp32 if workload.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+    # a CPU process's peak is its threads' (titan-run's MFU counts a host's threads as its cores)
+    peak_flops = ((hw.peak_tflops_fp32 if workload.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+                  * hw.threads_per_process(table.world_size))
     mfu = flops_per_token(model, workload.seq_len) * tokens_per_s / (world * peak_flops)
     capacity = (hw.memory_gib - hw.memory_reserved_gib) * GIB
     band = bands(table, model, hw, workload, tim, mem)

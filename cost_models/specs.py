@@ -172,6 +172,15 @@ class ModelSpec:
 
 
 # --------------------------------------------------------------------------- hardware
+def this_host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else os.cpu_count()): what titan-run divides
+    among a host's CPU processes as threads, and what a CPU host's `host_cores` is when planned here."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareSpec:
     """One accelerator type and the nodes it sits in.
@@ -225,6 +234,13 @@ class HardwareSpec:
     #   host, shared by its processes. A plan that runs more processes on a host than it has cores gives
     #   each cores/processes of the per-process throughput measured by `titan-plan profile` (one process
     #   per core); None (not given) = ignore
+    # -- CPU devices only: a host running fewer processes than cores gives each cores // processes
+    #    threads (titan-run's rule, executor/train.py); t threads run a GEMM 1 + (t-1) x thread_gemm_scaling
+    #    times as fast as one and stream memory 1 + (t-1) x thread_memory_scaling times as fast (the per-process
+    #    figures above are one thread's). `titan-plan profile` measures both with all of a host's cores in one
+    #    process; the defaults are typical of one socket (GEMMs scale with cores, copies with memory channels)
+    thread_gemm_scaling: float = field(default=0.9, metadata=_POSITIVE_OPEN)
+    thread_memory_scaling: float = field(default=0.5, metadata=_POSITIVE_OPEN)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -243,6 +259,9 @@ class HardwareSpec:
         if bad:
             raise SpecError(f"hardware '{self.name}': unknown efficiency key '{bad[0]}' "
                             f"(allowed: {', '.join(EFFICIENCY_KEYS)})")
+        for k in ("thread_gemm_scaling", "thread_memory_scaling"):
+            if not 0 < getattr(self, k) <= 1.0:
+                raise SpecError(f"hardware '{self.name}': key '{k}' must be in (0, 1], got {getattr(self, k)}")
         for k, v in self.efficiency.items():
             if not 0 < float(v) <= 1.0:
                 raise SpecError(f"hardware '{self.name}': efficiency '{k}' must be in (0, 1], got {v}")
@@ -295,6 +314,32 @@ class HardwareSpec:
         if self.device != "cpu" or not self.host_cores or self.host_cores <= 0:
             return np.ones_like(w)
         return np.maximum(1.0, np.minimum(w, self.gpus_per_node) / self.host_cores)
+
+    def threads_per_process(self, world_size) -> np.ndarray:
+        """Threads of one process: cores // processes of its host (>= 1), as titan-run sets them.
+
+        `world_size` may be an array; a host runs min(world, gpus_per_node) processes.
+        1 for accelerators and when `host_cores` is not given.
+        """
+        w = np.asarray(world_size, dtype=np.float64)
+        if self.device != "cpu" or not self.host_cores or self.host_cores <= 0:
+            return np.ones_like(w)
+        return np.maximum(1.0, np.floor(self.host_cores / np.minimum(w, self.gpus_per_node)))
+
+    def for_world(self, world_size: int) -> "HardwareSpec":
+        """This spec as one process of a `world_size` job sees it: on a CPU host with more cores than
+        processes, the GEMM peaks and the memory bandwidth of `threads_per_process` threads (the thread
+        scalings above), and host_cores = the processes (so the result is a one-core-per-device spec and
+        applying this again changes nothing).  Unchanged elsewhere."""
+        t = float(self.threads_per_process(world_size))
+        if t <= 1.0:
+            return self
+        g = 1.0 + (t - 1.0) * self.thread_gemm_scaling
+        m = 1.0 + (t - 1.0) * self.thread_memory_scaling
+        return dataclasses.replace(
+            self, peak_tflops_bf16=self.peak_tflops_bf16 * g, peak_tflops_fp32=self.peak_tflops_fp32 * g,
+            peak_tflops_fp8=self.peak_tflops_fp8 * g, memory_bw_gbs=self.memory_bw_gbs * m,
+            host_cores=int(min(world_size, self.gpus_per_node)))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -14,13 +14,12 @@
 """
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
-from cost_models.specs import load_hardware, preset_for_gpu_name
+from cost_models.specs import load_hardware, preset_for_gpu_name, this_host_cores
 
 
 def hardware_for_device(device: torch.device, override: str | None):
@@ -43,14 +42,6 @@ def mfu(tokens_per_s: float, fpt: float | None, peak_flops: float | None) -> flo
     return tokens_per_s * fpt / peak_flops
 
 
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity, else os.cpu_count())."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def world_peak_flops(hw, bf16: bool, device: torch.device) -> float | None:
     """Peak FLOP/s of the current world (collective: every rank calls it): per-device peak x devices.
 
@@ -62,7 +53,7 @@ def world_peak_flops(hw, bf16: bool, device: torch.device) -> float | None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if device.type != "cpu":
         return per_device * world
-    mine = (socket.gethostname(), torch.get_num_threads(), host_cores())
+    mine = (socket.gethostname(), torch.get_num_threads(), this_host_cores())
     every = [mine] * world
     if world > 1:
         dist.all_gather_object(every, mine)

@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from cost_models.specs import this_host_cores
+
 GEMM_SHAPES = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
                (4096, 1024, 1024), (1024, 4096, 1024), (8192, 256, 768), (8192, 768, 256))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -170,6 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         result["memory_bw_gbs"] = bench_memory_bw(device)
         result["memory_total_bytes"] = (torch.cuda.get_device_properties(device).total_memory if cuda
                                         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if not cuda:
+            # one process with all of the host's cores (titan-run's threads when a host runs fewer
+            # processes than cores), while the other ranks wait: how GEMMs and copies scale with threads
+            cores = this_host_cores()
+            result["host_cores"] = cores
+            if cores > 1:
+                torch.set_num_threads(cores)
+                result["threaded"] = {"threads": cores, "gemm": bench_gemm(device, dtype, shapes),
+                                      "memory_bw_gbs": bench_memory_bw(device)}
+                torch.set_num_threads(1)
         print(f"[profile] gemm + memory bandwidth: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if dist.is_initialized() and world > 1:
         dist.barrier()

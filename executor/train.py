@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from cost_models.flops import flops_per_token
+from cost_models.specs import this_host_cores
 from search_spaces.constraints import replicate_split_backward_error
 
 from . import faults
@@ -122,7 +123,8 @@ def setup(cfg: RunConfig) -> Trainer:
     device = init_distributed(cfg.train.pg_timeout_s)
     if device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(max(1, this_host_cores() // max(1, local_world)))   # the planner's rule:
+        #   HardwareSpec.threads_per_process
     meshes = build_meshes(cfg.plan, device.type)
     torch.manual_seed(cfg.train.seed)
     precision = resolve_precision(cfg, accelerator=device.type == "cuda")
@@ -269,9 +271,12 @@ def train(cfg: RunConfig, run_dir: Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         (run_dir / "plan.yaml").write_text(dump_resolved(cfg))
+        # one process has no collective on any axis: neither backend takes part (resolve_backend)
+        backend = tr.backend if world > 1 else "none (one process)"
+        threads = f" ({torch.get_num_threads()} threads a process)" if tr.device.type == "cpu" else ""
         print(f"titan-run: {cfg.spec.name} seq_len {cfg.seq_len} global batch {cfg.global_batch} | world {world} "
-              f"on {tr.device.type} | mesh {tr.meshes.describe()} | {cfg.plan.describe()} | "
-              f"{str(tr.precision.param_dtype).replace('torch.', '')} | backend {tr.backend} | run dir {run_dir}",
+              f"on {tr.device.type}{threads} | mesh {tr.meshes.describe()} | {cfg.plan.describe()} | "
+              f"{str(tr.precision.param_dtype).replace('torch.', '')} | backend {backend} | run dir {run_dir}",
               flush=True)
     hw = hardware_for_device(tr.device, cfg.hardware)
     # the current world's peak (an elastic restart with fewer ranks has a smaller one): executor/metrics.py

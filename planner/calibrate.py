@@ -27,6 +27,7 @@ from cost_models.workload import Workload
 from search_spaces.plan import Plan
 from search_spaces.table import CandidateTable
 
+from .local import on_this_host
 from .rank import PlanningError
 
 # (name, lower, upper) -- bounds keep the fit physical
@@ -90,7 +91,7 @@ def load_measurements(storage: str, study_name: str | None, hardware: str | None
         raise PlanningError(f"study '{study_name}' has {len(plans)} measured plans (ok or pruned with step times); "
                             "calibration needs >= 3")
     wl = Workload(seq_len=int(ua["seq_len"]), global_batch=int(ua["global_batch"]), dtype=ua.get("dtype", "bf16"))
-    hw = load_hardware(hardware or ua["hardware"])
+    hw = on_this_host(load_hardware(hardware or ua["hardware"]), hardware or ua["hardware"])
     if hw.device == "cpu" and ua.get("gpus"):   # CPU trials run on one host (titan-plan's default topology)
         hw = dataclasses.replace(hw, gpus_per_node=int(ua["gpus"]))
     return Measurements(plans=plans, step_time_s=np.array(times), peak_memory_bytes=np.array(mems),

@@ -222,6 +222,12 @@ def cmd_profile(args) -> int:
     print(f"{local.description}: {nproc} process(es)")
     print(f"  GEMM peak {spec['peak_tflops_fp32' if spec['device'] == 'cpu' else 'peak_tflops_bf16']} TFLOP/s, "
           f"median efficiency {spec['efficiency']['gemm']}, memory bandwidth {spec['memory_bw_gbs']} GB/s")
+    th = res["measurements"].get("threaded")
+    if th and "thread_gemm_scaling" in spec:
+        t = th["threads"]
+        print(f"  one process on all {t} cores: GEMM x{1 + (t - 1) * spec['thread_gemm_scaling']:.2f}, memory "
+              f"bandwidth x{1 + (t - 1) * spec['thread_memory_scaling']:.2f} of one thread (a host running fewer "
+              "processes than cores gives each cores // processes threads)")
     for op, f in res["collective_fits"].items():
         print(f"  {op:<15} {f['bw_bytes_per_s'] / 1e9:8.3f} GB/s  latency {f['latency_s'] * 1e6:8.1f} us  "
               f"(fit error median {f['median_abs_pct_err']:.0f}%, {f['points']} points)")

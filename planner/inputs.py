@@ -24,7 +24,7 @@ from search_spaces.plan import Plan
 from search_spaces.planfile import read_plan_file
 from search_spaces.typed import INT_LIMIT, MAX_WORLD_SIZE, InputError, check_keys, show
 
-from .local import LocalDevices, detect_local_devices
+from .local import LocalDevices, detect_local_devices, on_this_host
 
 DEFAULT_MODEL = "llama3-debug"
 WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
@@ -267,7 +267,7 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
         local = detect_local_devices()
         hw_ref = hw_ref or local.hardware
         gpus = gpus or local.count
-    hw = load_hardware(hw_ref)
+    hw = on_this_host(load_hardware(hw_ref), hw_ref)
     _check_count("--gpus (or the plan file's inputs.gpus)", gpus)
     gpn = _given(args.gpus_per_node, d.get("gpus_per_node"),
                  gpus if hw.device == "cpu" else min(hw.gpus_per_node, gpus))

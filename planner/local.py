@@ -5,12 +5,13 @@ GPUs are read from ``nvidia-smi`` (or ``rocm-smi``); without them the
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 
-from cost_models.specs import preset_for_gpu_name
+from cost_models.specs import preset_for_gpu_name, this_host_cores
 
 # what an unknown GPU is planned as (the executor then reports no MFU for it: cost_models.specs
 # preset_for_gpu_name is the one name table; this default is the planner's alone)
@@ -22,6 +23,16 @@ class LocalDevices:
     hardware: str        # preset name
     count: int
     description: str
+
+
+def on_this_host(hw, ref: str):
+    """`hw` as planned for: the stock ``cpu`` preset (referenced by name) stands for this machine without a
+    GPU, so its host_cores are this machine's cores (the preset's figures are one core's, measured on the
+    project's build machine); a profiled hardware file states its own host, and GPUs are unchanged."""
+    if hw.device != "cpu" or str(ref) != "cpu":
+        return hw
+    cores = this_host_cores()
+    return hw if hw.host_cores == cores else dataclasses.replace(hw, host_cores=cores)
 
 
 def detect_local_devices() -> LocalDevices:
@@ -52,6 +63,6 @@ def detect_local_devices() -> LocalDevices:
             if preset is None:   # rocm-smi names some cards by series only: the AMD preset this project has
                 return LocalDevices("mi300x", len(cards), f"{len(cards)} x {cards[0]} (assumed MI300X)")
             return LocalDevices(preset, len(cards), f"{len(cards)} x {cards[0]}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = this_host_cores()
     return LocalDevices("cpu", cores, f"{cores} CPU processes (gloo), no GPU found")
 

@@ -72,6 +72,22 @@ def fit_alpha_beta(rows: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def thread_scalings(m: dict[str, Any]) -> dict[str, float]:
+    """`thread_gemm_scaling` and `thread_memory_scaling` from one process's figures at one thread and at all
+    of the host's `t` cores: speedup = 1 + (t - 1) x scaling (GEMM: the best shape at each count), clipped to
+    (0, 1]; {} when the profile ran without the threaded pass (one core, or an older profile)."""
+    th = m.get("threaded")
+    if not th or int(th.get("threads", 1)) < 2:
+        return {}
+    t = int(th["threads"])
+
+    def scaling(speedup: float) -> float:
+        return round(min(1.0, max(0.05, (speedup - 1.0) / (t - 1))), 3)
+    gemm = max(r["tflops"] for r in th["gemm"]) / max(r["tflops"] for r in m["gemm"])
+    return {"thread_gemm_scaling": scaling(gemm),
+            "thread_memory_scaling": scaling(th["memory_bw_gbs"] / m["memory_bw_gbs"])}
+
+
 def spec_from_measurements(m: dict[str, Any], *, base: str, name: str) -> dict[str, Any]:
     b = load_hardware(base).to_dict()
     gemm = m["gemm"]
@@ -94,6 +110,7 @@ def spec_from_measurements(m: dict[str, Any], *, base: str, name: str) -> dict[s
         spec["memory_reserved_gib"] = round(m.get("rss_bytes", 0) / 2 ** 30, 3)
         spec["gpus_per_node"] = max(1, m["world"])
         spec["host_cores"] = int(m.get("host_cores") or os.cpu_count() or 1)   # shared by a host's processes
+        spec.update(thread_scalings(m))
     spec["memory_bw_gbs"] = round(m["memory_bw_gbs"], 2)
     effs = dict(spec.get("efficiency") or {})
     effs["gemm"] = round(min(1.0, max(0.05, eff)), 3)
