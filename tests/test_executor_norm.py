@@ -162,8 +162,13 @@ def test_compiled_norm_matches_eager_without_warnings():
     g_eager = _grads(ref, x, norm.weight, grad)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(g_compiled[0], g_eager[0], rtol=1e-6, atol=1e-6)
-    # a sum over B * S tokens: rounding grows with the count (~ sqrt(n) ulps of the largest partial sum)
-    torch.testing.assert_close(g_compiled[1], g_eager[1], rtol=1e-6 * (B * S) ** 0.5, atol=1e-6)
+    # the weight gradient of channel j is a sum over the B * S tokens of grad * x_hat; two summation orders
+    # differ by up to ~sqrt(n) * eps * sum |terms| (cancellation makes a bound relative to the result alone
+    # order-dependent: a 1.7e-5 relative difference on one channel was seen on another CPU)
+    xd = x.detach()
+    terms = (grad * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)).abs().sum((0, 1))
+    bound = (B * S) ** 0.5 * torch.finfo(torch.float32).eps * terms
+    assert ((g_compiled[1] - g_eager[1]).abs() <= bound).all(), ((g_compiled[1] - g_eager[1]).abs() / bound).max()
 
 
 def _typed_case() -> dict:
