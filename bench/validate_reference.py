@@ -175,8 +175,6 @@ HF_MODELS = {
 }
 NOT_EXPRESSIBLE = {
     "GPT-OSS": "alternating 128-token sliding-window attention and attention sinks are not in ModelSpec",
-    "Qwen3 235B-A22B": "ep=32 > dp*cp=16: Megatron's expert parallelism spans TP x DP ranks; a Plan carves ep "
-                       "out of dp_shard*cp only",
 }
 
 
@@ -432,8 +430,10 @@ def build_case(row) -> Case:
     plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
                 schedule=schedule, stages_per_rank=v, ac=ac or "none", compile=compile_, float8=f8,
                 reshard_after_forward=reshard, runnable=False)    # a what-if, as `titan-plan estimate`
+    # ep over the TP ranks too (Megatron-core's folded expert layout): whole experts, as the estimate CLI takes them
+    workload, _ = workload.for_expert_layout(plan.ep, plan.fsdp_size, plan.tp)
     if ac is None:      # recompute not stated: the estimate CLI's choice without --ac
-        plans = [dataclasses.replace(plan, ac=a) for a in AC_ORDER]
+        plans = [dataclasses.replace(plan, ac=a, runnable=False) for a in AC_ORDER]
         est = estimate(CandidateTable.from_plans(plans), model, hw, workload, Coefficients())
         plan = plans[choose_ac(plans, est)]
     measured = {}

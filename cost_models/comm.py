@@ -144,12 +144,13 @@ def group_link(degree, stride, hw, coeffs) -> Link:
                 tree_latency=tree_latency.astype(np.float64))
 
 
-def axis_links(table, hw, coeffs) -> dict[str, Link]:
+def axis_links(table, hw, coeffs, ep_stride_tp: bool = True) -> dict[str, Link]:
     """Link of each mesh axis, plus the derived groups the parallelisms use:
 
     * ``fsdp``: dp_shard x cp flattened (FSDP2 shards dense weights over it), stride tp;
     * ``ep``: the innermost ``ep`` ranks of dp_shard x cp (TorchTitan carves EP from
-      dp_shard and cp), stride tp;
+      dp_shard and cp), stride tp; with `ep_stride_tp` False (workload ``ep_stride_tp``: Megatron-core's whole
+      experts) ``ep`` consecutive ranks, across the TP ranks first;
     * ``efsdp``: the remaining dp_shard*cp/ep ranks that FSDP-shard the experts, stride ep*tp;
     * ``dp``: dp_replicate x dp_shard as one group (the Megatron data-parallel group), stride cp*tp.
     """
@@ -161,7 +162,7 @@ def axis_links(table, hw, coeffs) -> dict[str, Link]:
         stride = stride * deg[a]
     tp, cp, ep = table.tp, table.cp, table.ep
     out["fsdp"] = group_link(table.fsdp_size, tp, hw, coeffs)
-    out["ep"] = group_link(ep, tp, hw, coeffs)
+    out["ep"] = group_link(ep, tp if ep_stride_tp else np.ones_like(tp), hw, coeffs)
     out["efsdp"] = group_link(table.expert_fsdp_size, ep * tp, hw, coeffs)
     out["dp"] = group_link(table.dp, cp * tp, hw, coeffs)
     return out

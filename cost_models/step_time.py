@@ -461,11 +461,11 @@ STAGE_COLUMNS = ("tp", "cp", "ep", "microbatch", "pp", "stages_per_rank", "sched
 def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndarray]:
     n = len(table)
     r = Rates(hw, workload, coeffs)
-    links = axis_links(table, hw, coeffs)
+    links = axis_links(table, hw, coeffs, workload.ep_stride_tp)
     # per-micro-batch stage times: computed once per distinct stage configuration, then broadcast
     rep, inverse = unique_rows(table, STAGE_COLUMNS)
     sub = table.take(rep)
-    st = stage_times(sub, model, hw, workload, coeffs, axis_links(sub, hw, coeffs), r)
+    st = stage_times(sub, model, hw, workload, coeffs, axis_links(sub, hw, coeffs, workload.ep_stride_tp), r)
     st = {k: np.asarray(v)[inverse] for k, v in st.items()}
     nmb = table.n_microbatches.astype(np.float64)
     per_mb_compute = st["F"] + st["B"] + st["W"]

@@ -92,9 +92,10 @@ def regimes(table, model, hw, workload) -> dict[str, np.ndarray]:
     add("float8 linears", table.float8)
     add("context parallel within a node", (table.cp > 1) & (table.cp * table.tp <= gpn))
     add("context parallel across nodes", (table.cp > 1) & (table.cp * table.tp > gpn))
-    add("expert parallel within a node", (table.ep > 1) & (table.ep * table.tp <= gpn))
-    add("expert parallel across nodes", (table.ep > 1) & (table.ep * table.tp > gpn))
-    across = (table.ep > 1) & (table.ep * table.tp > gpn)
+    ep_span = table.ep * (table.tp if workload.ep_stride_tp else 1)      # the ranks one EP group spans
+    add("expert parallel within a node", (table.ep > 1) & (ep_span <= gpn))
+    add("expert parallel across nodes", (table.ep > 1) & (ep_span > gpn))
+    across = (table.ep > 1) & (ep_span > gpn)
     if node_limited(model):
         add("node-limited expert routing across nodes", across)
     if model.is_moe:

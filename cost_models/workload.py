@@ -276,6 +276,39 @@ class Workload:
         return self.expert_tp == "tp"
 
     @property
+    def ep_stride_tp(self) -> bool:
+        """Whether an EP group's ranks are tp apart (experts split over TP, and titan-run, which carves ep out of
+        dp_shard x cp) rather than adjacent: Megatron-core orders its expert ranks tp-cp-ep-dp-pp with the expert
+        TP size in the tp slot (parallel_state's expert RankGenerator), so whole experts put an EP group on
+        consecutive ranks, across the TP ranks first."""
+        return self.state_layout != "megatron" or self.experts_tp_split
+
+    def for_expert_layout(self, ep: int, fsdp_size: int, tp: int) -> tuple["Workload", str | None]:
+        """This workload for a plan whose ``ep`` does not divide dp_shard*cp (``fsdp_size``): Megatron-core folds
+        the expert layer over all of a stage's tp x cp x dp ranks (constraints.EP_FOLD), which needs whole experts
+        (expert_tensor_parallel_size 1: with experts split over TP an EP group is tp ranks apart and stays within
+        dp x cp).  Returns (workload, note): an unstated ``expert_tp`` becomes ``1`` with a note; a stated ``tp``
+        and the fsdp2 layout (titan-run carves ep out of dp_shard x cp) are refused in one line.  Unchanged, with
+        no note, where ep divides dp_shard*cp."""
+        if ep <= 1 or fsdp_size % ep == 0:
+            return self, None
+        if self.state_layout != "megatron":
+            raise SpecError(f"plan key 'ep' ({ep}) does not divide dp_shard*cp ({fsdp_size}): expert parallelism "
+                            f"folded over the TP ranks is Megatron-core's layout; set workload key 'state_layout' "
+                            f"to megatron (with expert_tp 1), or an ep that divides {fsdp_size}")
+        if self.expert_tp == "tp":
+            raise SpecError(f"plan key 'ep' ({ep}) does not divide dp_shard*cp ({fsdp_size}): with experts split "
+                            f"over TP (workload key 'expert_tp' tp) an EP group stays within dp x cp; set "
+                            f"expert_tp 1 (Megatron's expert_tensor_parallel_size 1) to fold it over the TP ranks")
+        note = None
+        wl = self
+        if self.expert_tp == "auto":
+            wl = dataclasses.replace(self, expert_tp="1")
+            note = (f"expert_tp not given: '1', the only Megatron-core layout with ep {ep} over dp*cp {fsdp_size} x "
+                    f"tp {tp} (expert parallelism folded over the TP ranks needs whole experts)")
+        return wl, note
+
+    @property
     def moe_ffn_tp_split(self) -> bool:
         """Whether a MoE block's router and shared experts are split over TP like a dense FFN (Megatron-core, and
         any layout with ``expert_tp: tp``), or whole on every TP rank with the routed experts: titan-run runs the

@@ -28,6 +28,7 @@ import dataclasses
 from typing import Any
 
 from cost_models.estimate import GIB, estimate
+from cost_models.specs import SpecError
 from search_spaces.plan import AC_MODES, Plan, PlanError, tp_shards_unrunnable
 from search_spaces.table import CandidateTable
 
@@ -98,10 +99,17 @@ def _apply(plan: Plan, workload, changes: list[Remedy]):
 
 
 def _estimate(pairs, model, hw, coeffs):
-    """[(plan, workload)] -> [(peak bytes, step s, fits)], one estimate per distinct workload."""
+    """[(plan, workload)] -> [(peak bytes, step s, fits)], one estimate per distinct workload; a pair whose
+    workload cannot hold the plan's expert layout (ep folded over TP outside Megatron's, `for_expert_layout`)
+    gets (inf, inf, False)."""
     out: list[Any] = [None] * len(pairs)
     by_wl: dict[Any, list[int]] = {}
-    for i, (_, wl) in enumerate(pairs):
+    for i, (plan, wl) in enumerate(pairs):
+        try:
+            wl, _ = wl.for_expert_layout(plan.ep, plan.fsdp_size, plan.tp)
+        except SpecError:
+            out[i] = (float("inf"), float("inf"), False)
+            continue
         by_wl.setdefault(wl, []).append(i)
     for wl, idx in by_wl.items():
         est = estimate(CandidateTable.from_plans([pairs[i][0] for i in idx]), model, hw, wl, coeffs)

@@ -266,7 +266,12 @@ def cmd_estimate(args) -> int:
     if illegal:
         raise PlanError(f"layout is not legal: {illegal[0]}")
     not_runnable = C.titan_run_limits(plan, target)
+    try:                        # ep over the TP ranks too: Megatron-core's folded expert layout (whole experts)
+        workload, fold_note = workload.for_expert_layout(plan.ep, plan.fsdp_size, plan.tp)
+    except SpecError as e:
+        raise PlanError(str(e)) from None
     workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs)
+    knob_notes = [fold_note, *knob_notes] if fold_note else knob_notes
     not_runnable += workload_limits(plan, workload)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)

@@ -10,7 +10,8 @@ in rejection counts.
 Three groups:
 
 * `PLAN_RULES`: what any plan must satisfy (the mesh can be built, the schedule's stage
-  count); `Plan` refuses to exist otherwise;
+  count); `Plan` refuses to exist otherwise; `LAYOUT_LIMITS` (titan-run's expert mesh) likewise, unless
+  ``runnable=False``;
 * `RUNTIME_RULES`: what torch.distributed.pipelining, hence titan-run, needs of the
   micro-batch count (`MICRO_RULES`) and of checkpointing under a split backward (`SPLIT_AC`); `Plan` refuses by default, ``Plan(..., runnable=False)`` lets a
   what-if estimate of another framework's layout through, and `check_plan` reports it;
@@ -116,6 +117,15 @@ EP_MESH = Rule(
     R_EP, lambda p, t: p.fsdp_size % p.ep == 0,
     lambda p, t: (f"plan key 'ep' ({p.ep}) must divide dp_shard*cp ({p.dp_shard}*{p.cp}={p.fsdp_size}): "
                   "expert parallelism is carved out of dp_shard x cp"))
+# Megatron-core folds the expert layer's parallelism over all of a stage's tp x cp x dp ranks ("MoE parallel
+# folding", Liu et al. 2025, arXiv:2504.14960; parallel_state's expert RankGenerator, order tp-cp-ep-dp-pp with
+# the expert TP size in the tp slot): with whole experts (expert_tensor_parallel_size 1) ep may span the TP
+# ranks, e.g. Megatron-Bridge's Qwen3-235B-A22B on 256 H100s, TP 2 x PP 8 x DP 16 with EP 32.  Any plan must meet
+# this; EP_MESH, titan-run's stricter rule, is a titan-run limit (a what-if estimate predicts past it)
+EP_FOLD = Rule(
+    R_EP, lambda p, t: (p.fsdp_size * p.tp) % p.ep == 0,
+    lambda p, t: (f"plan key 'ep' ({p.ep}) must divide dp_shard*cp*tp ({p.dp_shard}*{p.cp}*{p.tp}="
+                  f"{p.fsdp_size * p.tp}): expert parallelism is carved out of a stage's data-parallel and TP ranks"))
 V_STAGES = Rule(
     R_STAGES, lambda p, t: _not(p.is_v_schedule) | (p.stages_per_rank == 2),
     lambda p, t: f"plan key 'stages_per_rank' must be 2 for schedule {p.schedule}, got {p.stages_per_rank}")
@@ -189,19 +199,20 @@ TIED = Rule(
     lambda p, t: (f"tp={p.tp}, pp={p.pp}: the model ties its embeddings (tie_embeddings), which titan-run "
                   "keeps tied only with tp 1 and pp 1"))
 
-PLAN_RULES = (EP_MESH, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
+PLAN_RULES = (EP_FOLD, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
 MICRO_RULES = (MICRO_COUNT, MICRO_ROUNDS)       # the runtime's micro-batch rules (ac is a later knob)
 RUNTIME_RULES = MICRO_RULES + (SPLIT_AC,)
 TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8, TIED)
+LAYOUT_LIMITS = (EP_MESH,)      # titan-run's limits of a layout that `Plan` refuses unless runnable=False
 # the rules that are titan-run's limits, not laws of the layout, with what they limit: a what-if
 # estimate of another framework's layout predicts past them, saying so in one line
 TITAN_RUN_LIMITS = {MICRO_COUNT: "schedule", MICRO_ROUNDS: "schedule", SPLIT_AC: "schedule", TIED: "layout",
-                    PP_LAYERS: "layout"}
+                    PP_LAYERS: "layout", EP_MESH: "layout"}
 
 
-CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, EP_MESH, BATCH, MICRO_COUNT, MICRO_ROUNDS,
-               FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED, SPLIT_AC)
-assert set(CHECK_ORDER) == set(PLAN_RULES + RUNTIME_RULES + TARGET_RULES)
+CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, EP_FOLD, EP_MESH, BATCH, MICRO_COUNT,
+               MICRO_ROUNDS, FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED, SPLIT_AC)
+assert set(CHECK_ORDER) == set(PLAN_RULES + LAYOUT_LIMITS + RUNTIME_RULES + TARGET_RULES)
 
 
 def replicate_split_backward_error(plan: Any, backend: str) -> str | None:

@@ -73,8 +73,9 @@ class PlanFacts:
 
     @property
     def expert_fsdp_size(self):
-        """Ranks one expert's weights are FSDP-sharded over: dp_shard*cp/ep (the expert divide factor)."""
-        return self.dp_shard * self.cp // self.ep
+        """Ranks one expert's weights are FSDP-sharded over: dp_shard*cp/ep (the expert divide factor); 1 where
+        ep folds over the TP ranks too (ep > dp_shard*cp: a what-if of Megatron's layout, `constraints.EP_FOLD`)."""
+        return (self.dp_shard * self.cp // self.ep) + (self.dp_shard * self.cp < self.ep)
 
     @property
     def n_stages(self):
@@ -150,7 +151,7 @@ class Plan(PlanFacts):
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("ac", self.ac, AC_MODES)
         _check_choice("backend", self.backend, BACKENDS)
-        for rule in C.PLAN_RULES + (C.RUNTIME_RULES if runnable else ()):
+        for rule in C.PLAN_RULES + (C.LAYOUT_LIMITS + C.RUNTIME_RULES if runnable else ()):
             if not rule.ok(self, None):
                 raise PlanError(rule.plan_message(self))
 
