@@ -419,6 +419,8 @@ def build_case(row) -> Case:
         kw["tp_comm_overlap"] = "async"   # TorchTitan's async TP: torch's micro_pipeline_tp fusions
     if recipe.get("overlap_grad_reduce") is False:
         kw["dp_comm_overlap"] = "none"   # the recipe turns Megatron's overlapped gradient reduction off
+    if recipe.get("tp_comm_overlap"):
+        kw["tp_comm_overlap"] = str(recipe["tp_comm_overlap"])   # the recipe's CommOverlapConfig(tp_comm_overlap=...)
     if source == "torchtitan" and compile_ and not torchtitan_compiles_loss(row):
         kw["loss_impl"] = "eager"
     workload = Workload(seq_len=seq, global_batch=gb, **kw)
