@@ -171,7 +171,9 @@ class PlanInputs:
     def headline(self) -> str:
         h = self.hardware
         nics = f", a {h.nic_gbps:g} Gb/s NIC per {h.gpus_per_nic:g}" if self.nics_given else ""
-        return (f"{self.model.name} on {self.gpus} x {h.name} ({self.gpus_per_node} per node{nics}), "
+        t = int(h.threads_per_process(self.gpus))
+        threads = f", {t} threads each" if t > 1 else ""      # a CPU host with more cores than processes
+        return (f"{self.model.name} on {self.gpus} x {h.name} ({self.gpus_per_node} per node{nics}{threads}), "
                 f"{self.workload_line()}" + (f", framework {self.framework}" if self.framework != "titan-run" else "")
                 + (f"  [local: {self.local.description}]" if self.local else ""))
 

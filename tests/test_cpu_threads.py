@@ -103,3 +103,10 @@ def test_one_gpu_plan_on_this_host_predicts_threads(capsys):
         assert predicted < 0.8 * single.step_time_s[0]
     else:
         assert predicted == pytest.approx(single.step_time_s[0], rel=1e-9)
+
+
+def test_the_headline_says_the_threads(capsys):
+    assert plan_main(["--gpus", "1", "--global-batch", "8", "--no-write"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    t = this_host_cores()
+    assert ("1 per node, %d threads each)" % t in first) if t > 1 else ("1 per node)" in first)
