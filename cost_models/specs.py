@@ -304,27 +304,26 @@ class HardwareSpec:
     def supports_float8(self) -> bool:
         return self.peak_tflops_fp8 > 0
 
-    def oversubscription(self, world_size) -> np.ndarray:
-        """Slowdown of CPU work per process: processes on one host / its cores (>= 1).
-
-        `world_size` may be an array; a host runs min(world, gpus_per_node) processes.
-        1.0 for accelerators and when `host_cores` is not given.
-        """
-        w = np.asarray(world_size, dtype=np.float64)
+    def _procs_per_host(self, world_size) -> np.ndarray | None:
+        """Processes on one CPU host, min(world, gpus_per_node) (`world_size` may be an array); None for
+        accelerators and when `host_cores` is not given."""
         if self.device != "cpu" or not self.host_cores or self.host_cores <= 0:
-            return np.ones_like(w)
-        return np.maximum(1.0, np.minimum(w, self.gpus_per_node) / self.host_cores)
+            return None
+        return np.minimum(np.asarray(world_size, dtype=np.float64), self.gpus_per_node)
+
+    def oversubscription(self, world_size) -> np.ndarray:
+        """Slowdown of CPU work per process: processes on one host / its cores (>= 1); 1.0 for accelerators
+        and when `host_cores` is not given."""
+        p = self._procs_per_host(world_size)
+        return np.ones_like(np.asarray(world_size, dtype=np.float64)) if p is None \
+            else np.maximum(1.0, p / self.host_cores)
 
     def threads_per_process(self, world_size) -> np.ndarray:
-        """Threads of one process: cores // processes of its host (>= 1), as titan-run sets them.
-
-        `world_size` may be an array; a host runs min(world, gpus_per_node) processes.
-        1 for accelerators and when `host_cores` is not given.
-        """
-        w = np.asarray(world_size, dtype=np.float64)
-        if self.device != "cpu" or not self.host_cores or self.host_cores <= 0:
-            return np.ones_like(w)
-        return np.maximum(1.0, np.floor(self.host_cores / np.minimum(w, self.gpus_per_node)))
+        """Threads of one process: cores // processes of its host (>= 1), as titan-run sets them; 1 for
+        accelerators and when `host_cores` is not given."""
+        p = self._procs_per_host(world_size)
+        return np.ones_like(np.asarray(world_size, dtype=np.float64)) if p is None \
+            else np.maximum(1.0, np.floor(self.host_cores / p))
 
     def for_world(self, world_size: int) -> "HardwareSpec":
         """This spec as one process of a `world_size` job sees it: on a CPU host with more cores than
