@@ -81,6 +81,7 @@ def test_vtrain_ranking_with_the_defaults():
             assert g["picks_ok"] == g["workloads"], (key, g)
 
 
+@pytest.mark.slow      # ~1.5-2 min on 2 cores: 8 leave-one-group-out calibrations (the defaults' test stays in CI)
 @needs_vtrain
 def test_vtrain_ranking_calibrated_cross_validated():
     rows = vt.load_rows(REF)

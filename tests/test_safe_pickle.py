@@ -127,6 +127,7 @@ def test_legit_dcp_metadata_decodes_to_what_pickle_gives(tmp_path):
     assert safe_pickle.loads(data) == pickle.loads(data)
 
 
+@pytest.mark.slow      # ~30 s: runs every exploit under plain pickle (the refusals of each are tested in CI)
 def test_the_exploit_corpus_is_live_under_plain_pickle(tmp_path):
     """Most payloads really run code with the standard unpickler (else the corpus proves nothing)."""
     live, legit = 0, _legit_metadata(tmp_path)
