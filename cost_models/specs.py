@@ -325,6 +325,12 @@ class HardwareSpec:
         return np.ones_like(np.asarray(world_size, dtype=np.float64)) if p is None \
             else np.maximum(1.0, np.floor(self.host_cores / p))
 
+    def thread_speedups(self, threads: float) -> tuple[float, float]:
+        """(GEMM, memory bandwidth) of one process on `threads` threads over one thread: 1 + (t-1) x the
+        thread scaling of each."""
+        t = max(1.0, float(threads))
+        return 1.0 + (t - 1.0) * self.thread_gemm_scaling, 1.0 + (t - 1.0) * self.thread_memory_scaling
+
     def for_world(self, world_size: int) -> "HardwareSpec":
         """This spec as one process of a `world_size` job sees it: on a CPU host with more cores than
         processes, the GEMM peaks and the memory bandwidth of `threads_per_process` threads (the thread
@@ -333,8 +339,7 @@ class HardwareSpec:
         t = float(self.threads_per_process(world_size))
         if t <= 1.0:
             return self
-        g = 1.0 + (t - 1.0) * self.thread_gemm_scaling
-        m = 1.0 + (t - 1.0) * self.thread_memory_scaling
+        g, m = self.thread_speedups(t)
         return dataclasses.replace(
             self, peak_tflops_bf16=self.peak_tflops_bf16 * g, peak_tflops_fp32=self.peak_tflops_fp32 * g,
             peak_tflops_fp8=self.peak_tflops_fp8 * g, memory_bw_gbs=self.memory_bw_gbs * m,

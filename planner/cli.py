@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cost_models.specs import load_hardware, load_model, preset_names
+from cost_models.specs import hardware_from_dict, load_hardware, load_model, preset_names
 from search_spaces.plan import AC_MODES, BACKENDS, SCHEDULES
 from search_spaces.space import load_space, space_names
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, OneLineArgumentParser, show
@@ -225,8 +225,9 @@ def cmd_profile(args) -> int:
     th = res["measurements"].get("threaded")
     if th and "thread_gemm_scaling" in spec:
         t = th["threads"]
-        print(f"  one process on all {t} cores: GEMM x{1 + (t - 1) * spec['thread_gemm_scaling']:.2f}, memory "
-              f"bandwidth x{1 + (t - 1) * spec['thread_memory_scaling']:.2f} of one thread (a host running fewer "
+        g, m = hardware_from_dict(spec).thread_speedups(t)
+        print(f"  one process on all {t} cores: GEMM x{g:.2f}, memory "
+              f"bandwidth x{m:.2f} of one thread (a host running fewer "
               "processes than cores gives each cores // processes threads)")
     for op, f in res["collective_fits"].items():
         print(f"  {op:<15} {f['bw_bytes_per_s'] / 1e9:8.3f} GB/s  latency {f['latency_s'] * 1e6:8.1f} us  "

@@ -6,7 +6,6 @@ GPUs are read from ``nvidia-smi`` (or ``rocm-smi``); without them the
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass

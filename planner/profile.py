@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from cost_models.specs import SpecError, hardware_from_dict, load_hardware
+from cost_models.specs import SpecError, hardware_from_dict, load_hardware, this_host_cores
 from search_spaces.yaml_file import write_text
 
 from .progress import Progress
@@ -109,7 +109,7 @@ def spec_from_measurements(m: dict[str, Any], *, base: str, name: str) -> dict[s
         spec["memory_gib"] = round(m["memory_total_bytes"] / 2 ** 30 / max(1, m["world"]), 2)
         spec["memory_reserved_gib"] = round(m.get("rss_bytes", 0) / 2 ** 30, 3)
         spec["gpus_per_node"] = max(1, m["world"])
-        spec["host_cores"] = int(m.get("host_cores") or os.cpu_count() or 1)   # shared by a host's processes
+        spec["host_cores"] = int(m.get("host_cores") or this_host_cores())   # shared by a host's processes
         spec.update(thread_scalings(m))
     spec["memory_bw_gbs"] = round(m["memory_bw_gbs"], 2)
     effs = dict(spec.get("efficiency") or {})
