@@ -215,6 +215,7 @@ class Case:
     trained: bool = True                           # the figures come from a run that trained
     oom: bool = False                              # the source reports that this layout ran out of memory
     smi_ranks: tuple = ("first",)                  # the pipeline ranks an nvidia-smi reading saw (nvidia_smi_gib)
+    publication: str = ""                          # the source (repository or paper) the row's figures come from
 
 
 def _num(v):
@@ -476,7 +477,17 @@ def build_case(row) -> Case:
     if oom and measured:
         raise ValueError("a row that ran out of memory has no measured figures")
     return Case(rid, model, hw, workload, plan, measured, not_counted, trained and not oom, oom,
-                smi_ranks)
+                smi_ranks, publication_of(row))
+
+
+def publication_of(row) -> str:
+    """A short name of the publication a row comes from: the repository's name (each MLPerf round is its own
+    repository) or the paper's authors."""
+    src = row.get("source") or {}
+    repo = str(src.get("repo") or "").rstrip("/")
+    if repo:
+        return repo.rsplit("/", 1)[-1]
+    return str(src.get("paper") or "").split(",")[0].split("'")[0].strip()
 
 
 def load_rows(ref_dir: Path | None = None) -> list[dict]:
@@ -651,7 +662,8 @@ def headline_part(name: str, cases, skipped, results, fit) -> str:
 def ranking_groups(cases, results) -> dict[str, tuple[float, int]]:
     """Spearman rho of predicted vs measured tokens/s/GPU among the layouts of one job -- the same
     model, hardware, GPU count and sequence length (the planner's question: which layout is faster) --
-    for every job with at least 3 scored layouts."""
+    in one publication (another software release measuring the same layout again is not a ranking), for every
+    job with at least 3 scored layouts."""
     by_id = {c.id: c for c in cases}
     jobs: dict[str, list[tuple[float, float]]] = {}
     for r in results:
@@ -659,6 +671,7 @@ def ranking_groups(cases, results) -> dict[str, tuple[float, int]]:
             continue
         c = by_id[r["id"]]
         key = f"{c.model.name} x{c.plan.world_size} {c.hw.name} seq {c.workload.seq_len}"
+        key += f" [{c.publication}]" if c.publication else ""
         jobs.setdefault(key, []).append((r["measured"], r["predicted"]))
     out = {}
     for key, pairs in jobs.items():
