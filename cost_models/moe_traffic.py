@@ -53,6 +53,24 @@ def sends_once_per_node(model, workload) -> bool:
     return workload.state_layout == "megatron" and node_limited(model)
 
 
+# SMs the per-node dispatch kernels hold while they run: DeepEP's normal (training) kernels default to 20
+# (deep_ep Buffer.num_sms = 20; Megatron-core TransformerConfig.moe_deepep_num_sms = 20), the budget DeepSeek-V3
+# trained with ("only 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink", arXiv:2412.19437
+# Sec. 3.2.2).  (HybridEP defaults to 16 in Megatron-core; the workload does not tell the two apart.)
+PER_NODE_DISPATCH_SMS = 20
+
+
+def dispatch_sm_share(model, workload, hw) -> float:
+    """Share of the GPU's SMs the EP dispatch and combine kernels occupy while they run: the per-node
+    dispatchers' (`PER_NODE_DISPATCH_SMS` of ``hw.sm_count``), whose communication runs in SM-resident kernels;
+    0 for the every-copy all-to-all (NCCL states no SM budget) and where the SM count is unknown.  Compute that
+    overlaps those kernels runs on the other SMs (step_time._ep_exposed)."""
+    sms = int(getattr(hw, "sm_count", 0) or 0)
+    if sms <= PER_NODE_DISPATCH_SMS or not sends_once_per_node(model, workload):
+        return 0.0
+    return PER_NODE_DISPATCH_SMS / sms
+
+
 def node_limited(model) -> bool:
     """True when the router picks a token's experts inside its best ``n_limited_groups`` of ``n_expert_groups``."""
     return bool(model.n_expert_groups and model.n_limited_groups < model.n_expert_groups)

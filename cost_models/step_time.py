@@ -25,7 +25,7 @@ from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa
 from .flops import ROW, attention_dims, layer_matmuls
 from .layout import broadcast_rows, holds_ends, layer_mix, mtp_blocks, unique_rows
 from .memory import loss_compiled
-from .moe_traffic import a2a_overlap_runs, ib_share, nvlink_relay, sends_once_per_node
+from .moe_traffic import a2a_overlap_runs, dispatch_sm_share, ib_share, nvlink_relay, sends_once_per_node
 
 TIME_KEYS = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_p2p", "pp_bubble", "other")
 
@@ -359,8 +359,14 @@ def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, 
                           relay=nvlink_relay(model, table.ep, ep_link.per_node, once, hw.rail_optimized),
                           off_fraction=ib_share(model, table.ep, ep_link.per_node, once))
     dual = table.is_schedule("DualPipeV")
-    exp_f = np.where(dual, np.maximum(0.0, 2 * a2a - gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
-    exp_b = np.where(dual, np.maximum(0.0, (2 + 2 * ac_full) * a2a - gpu_b),
+    # compute that runs beside SM-resident dispatch kernels (DeepEP, HybridEP) has the other SMs: an all-to-all
+    # of time a next to compute c takes max(a, c + share * a), so even a hidden one costs share * a
+    share = dispatch_sm_share(model, workload, hw)
+
+    def beside(comm, compute):      # what an all-to-all of time `comm` adds to the compute it overlaps
+        return np.maximum(share * comm, comm - compute)
+    exp_f = np.where(dual, beside(2 * a2a, gpu_f), (1 - coeffs.ep_overlap) * 2 * a2a)
+    exp_b = np.where(dual, beside((2 + 2 * ac_full) * a2a, gpu_b),
                      (1 - coeffs.ep_overlap) * (2 + 2 * ac_full) * a2a)
     runs = a2a_overlap_runs(table, workload) & ~dual      # Megatron's conditions (moe_traffic)
     if not runs.any():
@@ -368,9 +374,9 @@ def _ep_exposed(table, model, hw, coeffs, ep_link, r: Rates, tokens, tp, gpu_f, 
     pp, v, m = table.pp.astype(np.float64), table.stages_per_rank.astype(np.float64), table.n_microbatches
     ffn = {mm.name for mm in layer_matmuls(model, True) if mm.group == "ffn"}
     mlp = layer_gemms(table, model, workload, coeffs, r, True, only=ffn.__contains__)[0]   # fwd = dgrad = wgrad
-    phase1 = np.maximum(0.0, a2a - np.maximum(gpu_f - mlp, 0.0))      # combine bwd under attention fwd
-    phase2 = np.maximum(0.0, 2 * a2a - 3 * mlp)                       # dispatch fwd + bwd under the MLPs
-    phase3 = np.maximum(0.0, a2a - np.maximum(gpu_b - mlp, 0.0))      # combine fwd under attention bwd
+    phase1 = beside(a2a, np.maximum(gpu_f - mlp, 0.0))      # combine bwd under attention fwd
+    phase2 = beside(2 * a2a, 3 * mlp)                       # dispatch fwd + bwd under the MLPs
+    phase3 = beside(a2a, np.maximum(gpu_b - mlp, 0.0))      # combine fwd under attention bwd
     warm = np.where(pp > 1, (pp - 1) * 2 + (v - 1) * pp + 1, 1.0)
     alone = np.minimum(1.0, warm / np.maximum(m * v, 1.0))            # share of F and B without a partner
     ov_f = alone * exp_f + (1 - alone) * (phase3 + phase2 / 2)

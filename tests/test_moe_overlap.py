@@ -17,7 +17,7 @@ from cost_models.comm import axis_links
 from cost_models.compute import Rates, layer_gemms
 from cost_models.estimate import estimate
 from cost_models.flops import layer_matmuls
-from cost_models.moe_traffic import a2a_overlap_blocker, a2a_overlap_runs
+from cost_models.moe_traffic import PER_NODE_DISPATCH_SMS, a2a_overlap_blocker, a2a_overlap_runs, dispatch_sm_share
 from cost_models.specs import SpecError, load_hardware, load_model
 from cost_models.workload import Workload
 from search_spaces.plan import Plan
@@ -75,6 +75,44 @@ def test_phase_rule_against_its_formula():
     f, b, _ = _exposed(plans, QWEN, _wl("combined_1f1b"), 100 * a2a, 100 * a2a)
     ph2 = max(0.0, 2 * a2a[0] - 3 * mlp[0])
     assert ph2 > 0 and f[0] + b[0] == pytest.approx((f0[0] + b0[0]) / 64 + 63 / 64 * ph2)
+
+
+def test_sm_resident_dispatch_costs_its_sms_even_when_hidden():
+    """The per-node dispatchers (DeepEP, HybridEP) run their all-to-alls in kernels that hold
+    PER_NODE_DISPATCH_SMS SMs: compute beside them runs on the rest, so an all-to-all of time a next to
+    compute c takes max(a, c + share * a) -- hidden, it still costs share * a; NCCL's every-copy all-to-all
+    states no SM budget and keeps the plain phase rule."""
+    share = dispatch_sm_share(QWEN, _wl(ep_dispatch="per_node"), H100)
+    assert share == pytest.approx(PER_NODE_DISPATCH_SMS / H100.sm_count)
+    assert dispatch_sm_share(QWEN, _wl(ep_dispatch="every_copy"), H100) == 0.0
+    assert dispatch_sm_share(QWEN, _wl(ep_dispatch="per_node"), dataclasses.replace(H100, sm_count=None)) == 0.0
+    plans = [_plan()]
+    wl0, wl1 = _wl(ep_dispatch="per_node"), _wl("combined_1f1b", ep_dispatch="per_node")
+    f0, b0, mlp = _exposed(plans, QWEN, wl0, np.zeros(1), np.zeros(1))
+    a2a = f0 / 2
+    for scale in (0.05, 1.0, 100.0):
+        gpu_f, gpu_b = mlp + scale * a2a, 2 * mlp + scale * a2a
+        f, b, _ = _exposed(plans, QWEN, wl1, gpu_f, gpu_b)
+        ph1 = np.maximum(share * a2a, a2a - (gpu_f - mlp))
+        ph2 = np.maximum(share * 2 * a2a, 2 * a2a - 3 * mlp)
+        ph3 = np.maximum(share * a2a, a2a - (gpu_b - mlp))
+        alone = 1 / 64
+        assert f[0] == pytest.approx(alone * f0[0] + (1 - alone) * (ph3 + ph2 / 2)[0])
+        assert b[0] == pytest.approx(alone * b0[0] + (1 - alone) * (ph1 + ph2 / 2)[0])
+    # ample compute on every side: each hidden all-to-all costs exactly its SM share
+    mlp_big = 1e3 * a2a
+    f, b, _ = _exposed(plans, QWEN, wl1, mlp + mlp_big, 2 * mlp + mlp_big)
+    ph2 = max(share * 2 * a2a[0], 2 * a2a[0] - 3 * mlp[0])       # the dispatches beside the expert MLPs
+    assert f[0] + b[0] == pytest.approx((f0[0] + b0[0]) / 64 + 63 / 64 * (2 * share * a2a[0] + ph2))
+    assert f[0] + b[0] > (f0[0] + b0[0]) / 64 + 63 / 64 * max(0.0, 2 * a2a[0] - 3 * mlp[0])   # > the plain rule
+    # DualPipeV: both directions' all-to-alls beside the other micro-batch's compute
+    dual = _plan(dp_shard=8, ep=8, pp=2, schedule="DualPipeV", stages_per_rank=2, n_microbatches=128)
+    big = np.full(1, 1e3)
+    fd0, bd0, _ = _exposed([dual], QWEN, _wl(), big, big)             # every copy: fully hidden
+    fd, bd, _ = _exposed([dual], QWEN, _wl(ep_dispatch="per_node"), big, big)
+    assert fd0[0] == 0.0 and bd0[0] == 0.0 and fd[0] > 0 and bd[0] > 0
+    fs, _, _ = _exposed([dual], QWEN, _wl(ep_dispatch="per_node"), np.zeros(1), np.zeros(1))
+    assert fd[0] == pytest.approx(share * fs[0])
 
 
 def test_interleaved_warmup_share_stays_exposed():
