@@ -56,7 +56,8 @@ def sends_once_per_node(model, workload) -> bool:
 # SMs the per-node dispatch kernels hold while they run: DeepEP's normal (training) kernels default to 20
 # (deep_ep Buffer.num_sms = 20; Megatron-core TransformerConfig.moe_deepep_num_sms = 20), the budget DeepSeek-V3
 # trained with ("we employ the warp specialization technique ... and partition 20 SMs into 10 communication
-# channels", arXiv:2412.19437 Sec. 3.2.2).  (HybridEP defaults to 16 in Megatron-core; the workload does not tell the two apart.)
+# channels", arXiv:2412.19437 Sec. 3.2.2).  HybridEP defaults to 16 in Megatron-core; the workload does not
+# tell the two apart.
 PER_NODE_DISPATCH_SMS = 20
 
 
