@@ -66,7 +66,7 @@ def dispatch_sm_share(model, workload, hw) -> float:
     dispatchers' (`PER_NODE_DISPATCH_SMS` of ``hw.sm_count``), whose communication runs in SM-resident kernels;
     0 for the every-copy all-to-all (NCCL states no SM budget) and where the SM count is unknown.  Compute that
     overlaps those kernels runs on the other SMs (step_time._ep_exposed)."""
-    sms = int(getattr(hw, "sm_count", 0) or 0)
+    sms = int(hw.sm_count or 0)
     if sms <= PER_NODE_DISPATCH_SMS or not sends_once_per_node(model, workload):
         return 0.0
     return PER_NODE_DISPATCH_SMS / sms
