@@ -37,16 +37,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("titan-run", "this executor (the defaults)"),
     Framework("torchtitan", "TorchTitan (FSDP2, DTensor TP, torch.distributed.pipelining)",
               {"selective_ac": "op", "norm_impl": "composite", "gqa_kv": "expanded",
-               "pp_recv_buffers": "persistent"},
+               "pp_recv_buffers": "persistent", "loss_impl": "compiled", "swiglu_impl": "eager"},
               why="selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
                   "every other matmul output kept); its norms are PyTorch's nn.RMSNorm (eager ops, fused by "
                   "Inductor when compiled); its llama Attention repeats K and V to n_heads (repeat_kv) before "
                   "F.scaled_dot_product_attention, without enable_gqa (torchtitan/models/llama/model.py), so "
-                  "SDPA saves the expanded copies; its pipeline stages are torch's PipelineStage, which keeps "
+                  "SDPA saves the expanded copies; its SwiGLU is the plain code, silu(w1 x) * w3 x, whose "
+                  "autograd keeps silu(gate) too; its loss is F.cross_entropy on the fp32 upcast, compiled with "
+                  "the model since 2025-04 (build_cross_entropy_loss); its pipeline stages are torch's PipelineStage, which keeps "
                   "one receive buffer per micro-batch and direction for the stage's life"),
     Framework("composer", "MosaicML Composer / llm-foundry (PyTorch FSDP)",
-              {"selective_ac": "op", "loss_impl": "fused"},
-              why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy)"),
+              {"selective_ac": "op", "loss_impl": "fused", "swiglu_impl": "eager"},
+              why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy); its GLU FFN is the plain "
+                  "code, act(gate(x)) * up(x)"),
     Framework("megatron-lm", "Megatron-LM / Megatron-core with the distributed optimizer",
               dict(_MEGATRON),
               why="distributed optimizer (ZeRO-1), fp32 main gradients for bf16 (arguments.py: 'accumulate and "

@@ -39,8 +39,9 @@ def logit_bytes(table, workload) -> tuple[np.ndarray, np.ndarray]:
     input gradient join it at the turn (LOGIT_BYTES in all).  Fused (``loss_impl: fused``; e.g.
     flash-attn's cross_entropy, Megatron's in-place vocab-parallel loss): the kernel keeps only its
     e-byte input (the same tensor as the stage output) and a per-token log-sum-exp, and writes one
-    e-byte gradient at the turn.  ``auto`` under the fsdp2 layout is this executor's: its loss compiled with
-    compile on at tp 1 (Inductor fuses upcast, log-softmax and NLL: fused, `loss_fused`), eager otherwise."""
+    e-byte gradient at the turn.  ``auto`` under the fsdp2 layout is this executor's: at tp 1 its loss compiled
+    with compile on (Inductor fuses upcast, log-softmax and NLL) or its fused Function (both fused,
+    `loss_fused`), eager on vocab-sharded logits (tp > 1)."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     fused = loss_fused(table, workload)
     eager_kept = 4.0 + np.where(table.pp > 1, e, 0.0)
@@ -58,10 +59,12 @@ def loss_compiled(table, workload) -> np.ndarray:
 
 
 def loss_fused(table, workload) -> np.ndarray:
-    """[n] bool: the candidate's loss is fused (``loss_impl`` fused, or ``auto`` under the megatron layout, or
-    ``auto`` under fsdp2 with compile at tp 1: titan-run compiles its loss then, executor/parallel/
-    tensor_parallel.py ``loss_compiled``, as TorchTitan does)."""
-    return loss_compiled(table, workload) | (workload.loss_mode == "fused")
+    """[n] bool: the candidate's loss keeps the logits, not an fp32 copy (``Workload.loss_fused_at`` per
+    candidate): ``loss_impl`` fused, or ``auto`` under the megatron layout, or compiled (`loss_compiled`), or
+    ``auto`` under fsdp2 at tp 1 (titan-run's fused Function, executor/parallel/fused_loss.py)."""
+    titan_fused = workload.state_layout == "fsdp2" and workload.loss_impl == "auto"
+    return (loss_compiled(table, workload) | (workload.loss_mode == "fused")
+            | (titan_fused & (np.asarray(table.tp) == 1)))
 
 
 # --------------------------------------------------------------------------- the breakdown

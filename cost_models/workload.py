@@ -178,8 +178,9 @@ class Workload:
     autograd function over the whole FFN, gate/up GEMM, activation and down GEMM, which keeps gate and up and
     recomputes the product in its backward for the down projection's weight gradient: 2, compiled or not --
     xformers' ``SwiGLU`` op, whose ``_SwiGLUFusedFunc`` saves the input, gate and up and rebuilds the product
-    in ``silu_bw_fused``; LLaMA 1's hand-written backward, arXiv:2302.13971 Sec. 2.4); ``auto`` is ``fused``
-    for the megatron layout and ``eager`` for fsdp2 (titan-run, TorchTitan).
+    in ``silu_bw_fused``; LLaMA 1's hand-written backward, arXiv:2302.13971 Sec. 2.4); ``auto`` is ``fused``:
+    Megatron's kernel for the megatron layout, titan-run's own autograd Function for fsdp2
+    (executor/models/layers.py ``swiglu``; TorchTitan runs the plain code: its regime sets ``eager``).
     ``gqa_kv`` is how the attention kernel takes grouped-query K and V (models with fewer kv heads than
     heads): ``expanded`` (TorchTitan repeats K and V to n_heads before SDPA, ``repeat_kv``, which saves
     the expanded copies) or ``native`` (the kernel reads the kv heads as they are and keeps K and V at
@@ -194,14 +195,17 @@ class Workload:
     fp32 main gradients do not fit and bf16 ones do, saying so (``planner/whatif.py``,
     ``workload_variants``), as it does for an unstated ``ac``.  The fsdp2 layout's gradients follow
     its fp32 master parameters, so there it must stay ``fp32`` (or ``auto``).
-    ``loss_impl`` is the cross-entropy: ``eager`` (this executor: on fp32-upcast logits, keeping
-    the fp32 log-softmax, its gradient and the input gradient at the turn) or ``fused`` (a fused
-    or chunked kernel -- Megatron's cross_entropy_loss_fusion, flash-attn's / Liger's, a compiled
-    loss -- keeping the logits and a per-token log-sum-exp, the gradient written in place); ``auto``
-    is, for fsdp2, this executor's choice per candidate (``fused`` with compile at tp 1, where it
-    compiles its loss, else ``eager``: ``memory.loss_fused``; :attr:`loss_mode` gives the eager one)
-    and ``fused`` for megatron, whose vocab-parallel cross-entropy (also the unfused one) works in
-    place on one fp32 copy of the logits: exp, softmax and the input gradient reuse its storage
+    ``loss_impl`` is the cross-entropy: ``eager`` (``F.cross_entropy`` on fp32-upcast logits, keeping
+    the fp32 log-softmax, its gradient and the input gradient at the turn), ``compiled`` (the same
+    code compiled by Inductor with the model when the plan compiles at tp 1, else eager: TorchTitan
+    since 2025-04) or ``fused`` (a fused or chunked kernel -- Megatron's cross_entropy_loss_fusion,
+    flash-attn's / Liger's, a compiled loss -- keeping the logits and per-token statistics, the
+    gradient written in the logits' dtype); ``auto`` is, for fsdp2, this executor's choice per
+    candidate: compiled with compile at tp 1, else its fused autograd Function at tp 1
+    (executor/parallel/fused_loss.py), else (vocab-sharded logits, tp > 1) the eager figure
+    (``memory.loss_fused``; :attr:`loss_mode` gives the tp > 1 one), and ``fused`` for megatron,
+    whose vocab-parallel cross-entropy (also the unfused one) works in place on one fp32 copy of the
+    logits: exp, softmax and the input gradient reuse its storage
     (megatron/core/tensor_parallel/cross_entropy.py), 4 bytes per logit as a fused bf16 kernel's 2 + 2.
     ``grad_accum`` is how a micro-batch's weight gradients join the step's: ``autograd`` (PyTorch's
     AccumulateGrad, ``grad += g`` after the first micro-batch: this executor, TorchTitan, FSDP),
@@ -233,7 +237,7 @@ class Workload:
     master_dtype: Literal["fp32", "bf16"] = "fp32"            # megatron layout: the optimizer's parameter copy
     expert_tp: Literal["auto", "tp", "1"] = "auto"            # MoE: experts split over TP (tp) or whole (1)
     float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
-    loss_impl: Literal["auto", "eager", "fused"] = "auto"     # cross-entropy kernel
+    loss_impl: Literal["auto", "eager", "compiled", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
     pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
@@ -387,11 +391,11 @@ class Workload:
 
     @property
     def swiglu_fused(self) -> bool:
-        """``swiglu_impl`` with ``auto`` resolved by the state layout: True for a fused kernel (``fused``, or
-        ``fused_ffn``, the whole FFN as one function)."""
+        """``swiglu_impl`` with ``auto`` resolved: True for a fused kernel (``fused``, or ``fused_ffn``, the
+        whole FFN as one function); ``auto`` is fused for both layouts."""
         if self.swiglu_impl != "auto":
             return self.swiglu_impl in ("fused", "fused_ffn")
-        return self.state_layout == "megatron"
+        return True                 # Megatron's kernel; titan-run's `swiglu` Function (executor/models/layers.py)
 
     @property
     def swiglu_recomputes_product(self) -> bool:
@@ -424,14 +428,27 @@ class Workload:
 
     def compiles_loss(self, compile_: bool, tp: int) -> bool:
         """The loss is compiled with the model (titan-run, executor/parallel/tensor_parallel.py; TorchTitan
-        since 2025-04): the fsdp2 layout, ``loss_impl: auto``, compile on, tp 1 (plain-tensor logits).  An
-        explicit ``fused`` is another framework's kernel (Megatron's, flash-attn's), not Inductor's.
-        `memory.loss_compiled` is the same rule over a candidate table."""
-        return self.state_layout == "fsdp2" and self.loss_impl == "auto" and bool(compile_) and int(tp) == 1
+        since 2025-04): the fsdp2 layout, ``loss_impl`` auto or compiled, compile on, tp 1 (plain-tensor
+        logits).  An explicit ``fused`` is another framework's kernel (Megatron's, flash-attn's), not
+        Inductor's.  `memory.loss_compiled` is the same rule over a candidate table."""
+        return (self.state_layout == "fsdp2" and self.loss_impl in ("auto", "compiled") and bool(compile_)
+                and int(tp) == 1)
+
+    def loss_fused_at(self, compile_: bool, tp: int) -> bool:
+        """The loss keeps only the logits (and per-token statistics), not an fp32 copy: compiled
+        (`compiles_loss`), ``fused`` (explicit, or ``auto`` under megatron), or titan-run's fused Function
+        (``auto`` under fsdp2 at tp 1, executor/parallel/fused_loss.py).  `memory.loss_fused` is the same
+        rule over a candidate table."""
+        if self.compiles_loss(compile_, tp) or self.loss_mode == "fused":
+            return True
+        return self.state_layout == "fsdp2" and self.loss_impl == "auto" and int(tp) == 1
 
     @property
     def loss_mode(self) -> str:
-        """``loss_impl`` with ``auto`` resolved by the state layout."""
+        """``loss_impl`` with ``auto`` resolved by the state layout, as at tp > 1 (titan-run's vocab-sharded
+        loss: eager), and ``compiled`` as uncompiled (eager)."""
+        if self.loss_impl == "compiled":
+            return "eager"
         if self.loss_impl != "auto":
             return self.loss_impl
         return "fused" if self.state_layout == "megatron" else "eager"

@@ -66,7 +66,7 @@ from .parallel.context_parallel import head_tail_indices
 from .parallel.pipeline import build_schedule, fsdp_microbatch_backward_settings
 from .parallel.spmd_step import spmd_mesh
 from .parallel.spmd_tensor_parallel import vocab_parallel_cross_entropy
-from .parallel.tensor_parallel import cross_entropy, loss_parallel
+from .parallel.tensor_parallel import cross_entropy, loss_kind, loss_parallel, set_loss
 from .train import build_optimizer
 
 __all__ = ["fake_step_peak", "rank_actions"]
@@ -267,6 +267,8 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
         positions = torch.arange(cfg.seq_len)
     pp_rank = meshes.pp.get_local_rank() if plan.pp > 1 else 0
     loss_fn, loss_ctx = _step_loss(plan, meshes, backend)
+    kind = loss_kind(plan, cfg.workload)      # a compiled loss keeps what the fused Function keeps: run that
+    set_loss("fused" if kind == "compiled" else kind)
     hidden_shape = (plan.microbatch, seq_local // plan.tp if plan.tp > 1 else seq_local, cfg.spec.dim)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

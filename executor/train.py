@@ -54,7 +54,7 @@ from .parallel.context_parallel import cp_shard_batch
 from .parallel import spmd_step
 from .parallel.pipeline import build_schedule
 from .parallel.spmd_pipeline import build_typed_schedule, typed_cp_shard_batch
-from .parallel.tensor_parallel import compile_loss, cross_entropy, loss_compiled, loss_parallel, loss_value
+from .parallel.tensor_parallel import cross_entropy, loss_kind, loss_parallel, loss_value, set_loss
 from .summary import prediction_line, summarize, summary_line, write_rank_file
 
 COMM_AXES = AXES + FLAT_AXES + ("ep", "efsdp", "world", "self", "other")
@@ -137,7 +137,7 @@ def setup(cfg: RunConfig) -> Trainer:
     stages = build_model_parts(cfg.spec, cfg.plan, meshes, precision=precision, backend=backend, device=device,
                                seed=cfg.train.seed, workload=cfg.workload, typecheck=cfg.train.spmd_typecheck)
     params = [p for _, m in stages for p in m.parameters()]
-    compile_loss(loss_compiled(cfg.plan, cfg.workload))
+    set_loss(loss_kind(cfg.plan, cfg.workload))
     runner = None
     if cfg.plan.pp > 1 and backend == "spmd_types":     # typed stages and loss: parallel/spmd_pipeline.py
         runner = build_typed_schedule(stages, cfg.plan, meshes, device, typecheck=cfg.train.spmd_typecheck,

@@ -56,9 +56,10 @@ WORKLOAD_HELP = {
                  "and the fp32 rstd), eager (PyTorch's composite: keeps the fp32 upcast and the normalized output), "
                  "fused (one kernel keeping its input: Apex/TE/Triton) or composite (PyTorch's nn.RMSNorm as "
                  "TorchTitan runs it: fused when compiled, else eager)",
-    "swiglu_impl": "SwiGLU kernel: auto (default: fused for megatron, else eager), eager (autograd of the plain "
-                   "code keeps gate, up, silu(gate) and the product; 2 of them when compiled: titan-run, TorchTitan) "
-                   "or fused (one kernel keeping gate and up, the down projection its input: Megatron, TE, Liger) or "
+    "swiglu_impl": "SwiGLU kernel: auto (default: fused: titan-run's Function, Megatron's kernel), eager "
+                   "(autograd of the plain code keeps gate, up, silu(gate) and the product; 2 of them when compiled: "
+                   "TorchTitan) or fused (one kernel keeping gate and up, the down projection its input: titan-run, "
+                   "Megatron, TE, Liger) or "
                    "fused_ffn (the whole FFN as one function keeping gate and up, rebuilding the product in "
                    "backward: xformers' SwiGLU op)",
     "gqa_kv": "how attention takes grouped-query K/V: auto (default: native), expanded (repeated to n_heads "
@@ -67,9 +68,11 @@ WORKLOAD_HELP = {
     "grad_dtype": "megatron layout: main-gradient dtype, auto (default: fp32, or bf16 where an estimate's "
                   "fp32 main gradients do not fit and bf16 ones do, said in a note), fp32 (Megatron-LM) or bf16 "
                   "(NeMo / Megatron-Bridge performance recipes, grad_reduce_in_fp32=False)",
-    "loss_impl": "cross-entropy: auto (default: for fsdp2 this executor's, fused with compile at tp 1 where "
-                 "it compiles the loss, eager otherwise; fused for megatron, whose loss works in place), eager "
-                 "(on fp32-upcast logits) or fused (keeps only the logits and writes their gradient in place)",
+    "loss_impl": "cross-entropy: auto (default: for fsdp2 this executor's, fused at tp 1 -- compiled with "
+                 "compile on, else its fused autograd Function -- and eager on vocab-sharded logits; fused for "
+                 "megatron, whose loss works in place), eager (F.cross_entropy on fp32-upcast logits), compiled "
+                 "(that code compiled with the model at tp 1 when the plan compiles, else eager: TorchTitan) or "
+                 "fused (another framework's kernel: keeps only the logits, writes their gradient in place)",
     "grad_accum": "how micro-batch gradients accumulate: auto (default: autograd for fsdp2, fused for megatron), "
                   "autograd (grad += g), fused (in the weight-gradient GEMM, Megatron) or hp_copy (DeepSpeed's "
                   "BF16 optimizer copies into fp32 after every micro-batch)",

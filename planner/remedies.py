@@ -37,8 +37,8 @@ _REGIMES = (
     ("pp_sent_tensors", "freed", lambda wl, p: p.pp > 1 and wl.pp_keeps_sent),
     ("norm_impl", "fused", lambda wl, p: not wl.norm_fused(bool(p.compile))),
     ("swiglu_impl", "fused", lambda wl, p: not wl.swiglu_fused and not p.compile),
-    # (titan-run's own loss is fused already with compile at tp 1: executor tensor_parallel.loss_compiled)
-    ("loss_impl", "fused", lambda wl, p: wl.loss_mode != "fused" and not wl.compiles_loss(p.compile, p.tp)),
+    # (titan-run's own loss is fused already at tp 1: executor tensor_parallel.loss_kind)
+    ("loss_impl", "fused", lambda wl, p: not wl.loss_fused_at(p.compile, p.tp)),
 )
 
 

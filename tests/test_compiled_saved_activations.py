@@ -3,9 +3,9 @@
 One llama3-debug block (fp32, CPU), eager and under ``torch.compile`` as titan-run compiles it (per block),
 run forward under ``torch.autograd.graph.saved_tensors_hooks``: the bytes of the distinct storages saved for
 backward, parameters left out, per token.  The model (`cost_models.activations.layer_activation_terms`, no
-recompute) must give the same within 1%: eager autograd keeps gate, up, silu(gate) and the product; the compiled
-block gate, up and the product -- AOTAutograd's min-cut partitioner does not recompute the product, which fc2's
-weight gradient must materialize in backward.
+recompute) must give the same within 1%: eager, titan-run's SwiGLU Function keeps gate and up (the down
+projection the product); the compiled block gate, up and the product too -- AOTAutograd's min-cut partitioner
+does not recompute the product, which fc2's weight gradient must materialize in backward.
 """
 from __future__ import annotations
 

@@ -38,9 +38,9 @@ def test_each_key_removes_what_it_names_on_the_405b_layout():
     """Per layer and micro-batch on a TP 8 rank (8,192 tokens, bf16): native K/V saves (128 - 8) x 128 x 2 (K
     and V) / 8 x 2 bytes per token less; a fused SwiGLU one ffn-width tensor (53,248 / 8 x 2 bytes) less.  The
     ratio of the two savings does not depend on the in-flight count."""
-    base = _activations(gqa_kv="expanded")
-    assert _activations() == _activations(gqa_kv="native")            # auto: native
-    gqa = base - _activations(gqa_kv="native")
+    base = _activations(gqa_kv="expanded", swiglu_impl="eager")
+    assert _activations() == _activations(gqa_kv="native", swiglu_impl="fused")    # auto: native, fused
+    gqa = base - _activations(gqa_kv="native", swiglu_impl="eager")
     swiglu = base - _activations(gqa_kv="expanded", swiglu_impl="fused")
     per_tok_gqa = 2 * (L405.n_heads - L405.n_kv_heads) * L405.head_dim / 8 * 2
     per_tok_swiglu = L405.ffn_hidden / 8 * 2
@@ -48,7 +48,7 @@ def test_each_key_removes_what_it_names_on_the_405b_layout():
     assert gqa / swiglu == pytest.approx(per_tok_gqa / per_tok_swiglu, rel=1e-9)
     both = base - _activations(gqa_kv="native", swiglu_impl="fused")
     assert both == pytest.approx(gqa + swiglu, rel=1e-9)
-    # the megatron layout's defaults are these two kernels: stating the expanded, eager ones restores the
+    # the megatron layout's defaults are these two kernels too: stating the expanded, eager ones restores the
     # fsdp2 figure of the same terms (the layout's other regimes -- TP shards, Megatron's loss -- are held fixed)
     meg = dict(state_layout="megatron", zero=1, tp_activations="gathered", pp_sent_tensors="kept", loss_impl="eager",
                moe_weighting="combine", grad_accum="autograd")
@@ -62,8 +62,8 @@ def test_fused_ffn_keeps_gate_and_up_only():
     and micro-batch; under compile the eager FFN keeps what the partitioner keeps, gate, up and the product (fc2's
     weight gradient materializes it in backward, so it is never recomputed), as the fused kernel does, and
     fused_ffn still one tensor less."""
-    eager = _activations()
-    fused = _activations(swiglu_impl="fused")
+    eager = _activations(swiglu_impl="eager")
+    fused = _activations()                                    # auto: fused
     ffn = _activations(swiglu_impl="fused_ffn")
     assert eager - fused == pytest.approx(fused - ffn, rel=1e-9) and fused - ffn > 0
     compiled = dataclasses.replace(PLAN, compile=True)
@@ -117,6 +117,6 @@ def test_flags_plan_file_and_json_echo(tmp_path):
 
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
-    assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused", ["auto", "eager"])
-    assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused_ffn", ["auto", "eager"])
+    assert_titan_run_refuses(tmp_path, "swiglu_impl", "eager", ["auto", "fused"])
+    assert_titan_run_refuses(tmp_path, "swiglu_impl", "fused_ffn", ["auto", "fused"])
     assert_titan_run_refuses(tmp_path, "gqa_kv", "expanded", ["auto", "native"])

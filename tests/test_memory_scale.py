@@ -153,9 +153,10 @@ def _peak_gib(model, hw, wl, plan):
 def test_llama3_405b_table4_fits_under_the_regime_it_trained_in():
     """Llama 3 405B on 16,384 H100s (TP 8, PP 16, DP 128, 8K, 16M tokens; Llama 3 paper Table 4 and
     Sec. 3.3.2, which trained it without activation checkpointing).  Under this executor's eager DTensor
-    TP, which keeps the all-gathered QKV/FFN inputs (the dry run's FakeTensor peak of pp rank 0: 156.2 GiB of
-    live tensors, bench_memory_audit; 163.2 while CoreAttention expanded GQA's K/V, 185.7 while the eager norms
-    also kept their fp32 upcasts; the model's device peak adds allocator and NCCL overhead), it does not fit.  With Megatron-style TP (sequence-sharded saved
+    TP, which keeps the all-gathered QKV/FFN inputs (the dry run's FakeTensor peak of pp rank 0 was 156.2 GiB of
+    live tensors, bench_memory_audit, before the SwiGLU Function dropped silu(gate) (the model: 163.7 -> 150.1
+    GiB); 163.2 while CoreAttention expanded GQA's K/V, 185.7 while the eager norms also kept their fp32
+    upcasts; the model's device peak adds allocator and NCCL overhead), it does not fit.  With Megatron-style TP (sequence-sharded saved
     inputs, fused kernels that still keep the SwiGLU product as the down projection's input) and 1F1B's
     16 micro-batches in flight it needs 80-100 GiB: Meta's interleaved schedule with a tunable number N
     of consecutive micro-batches (paper Fig. 6) holds about (2(pp-1) + (v-1)N + 1)/v of them, fewer
@@ -170,7 +171,7 @@ def test_llama3_405b_table4_fits_under_the_regime_it_trained_in():
     assert peak < usable
     peak, usable = _peak_gib("llama3-405b", "h100-sxm", Workload(seq_len=8192, global_batch=2048),
                              dataclasses.replace(plan, compile=False))
-    assert 156.2 < peak < 180 and peak > usable
+    assert usable < peak < 180
 
 
 def test_torchtitan_405b_pp_rows_micro_batch_mapping():

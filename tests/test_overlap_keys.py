@@ -23,7 +23,7 @@ PLAN = Plan(tp=8, pp=4, dp_shard=4, microbatch=1, n_microbatches=16, schedule="I
             ac="none", runnable=False)
 ESTIMATE = ["estimate", "--model", "llama3-70b", "--gpus", "128", "--hardware", "h100-sxm", "--seq-len", "8192",
             "--global-batch", "64", "--tp", "8", "--pp", "4", "--microbatch", "1", "--schedule", "Interleaved1F1B",
-            "--stages-per-rank", "2", "--ac", "none", "--json",
+            "--stages-per-rank", "2", "--ac", "none", "--json", "--reshard",    # the plan file's (PLAN's) resharding
             "--tp-activations", "gathered"]     # stated: the layout keeps its TP regime on every path compared
 
 

@@ -10,6 +10,12 @@ from torch import nn
 
 from cost_models.specs import ModelSpec
 
+try:                      # the checker's mode (train.spmd_typecheck) types each op: it must see the plain ops
+    from spmd_types import is_type_checking
+except ImportError:       # pragma: no cover - spmd_types is a core dependency; older torch runs dtensor
+    def is_type_checking() -> bool:
+        return False
+
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  spec: ModelSpec | None = None):
@@ -92,6 +98,37 @@ class CoreAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` keeping gate and up only: backward recomputes ``silu(gate)``.
+
+    Autograd of the plain code keeps gate (for silu), silu(gate) and up (for the product): one ffn-width
+    tensor more than the fused activation kernels of Megatron-core (``bias_swiglu_impl``), Transformer Engine
+    and Liger keep; the down projection keeps the product either way.  The backward runs the ops autograd's
+    would (MulBackward's two products, SiluBackward's ``silu_backward``) on the recomputed ``silu(gate)``,
+    so the gradients are bitwise the plain code's (tests/test_swiglu.py); the price is one elementwise silu
+    more per FFN in backward.  Backward holds four ffn-width tensors at once (gate, up, a temporary and a
+    gradient) where the plain code's holds five."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)     # (the product's temporary freed here)
+        return grad_gate, F.silu(gate).mul_(grad)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (its backward keeps gate and up, not ``silu(gate)``: `_SwiGLU`); under the spmd_types
+    checker the plain ops, which it types one by one."""
+    if is_type_checking():
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate, up)
+
+
 class FeedForward(nn.Module):
     """SwiGLU (w2(silu(w1 x) * w3 x)) or a GELU MLP (w2(gelu(w1 x)))."""
 
@@ -104,7 +141,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(swiglu(self.w1(x), self.w3(x)))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from cost_models.specs import ModelSpec
 
-from .layers import FeedForward
+from .layers import FeedForward, swiglu
 
 
 class Router(nn.Module):
@@ -132,7 +132,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
         return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum() + x.sum())
     if _grouped_mm_available(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        h = swiglu(torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs))
         return torch._grouped_mm(h, w2, offs=offs)
     return _padded_bmm_swiglu(x, counts, w1, w2, w3)
 
@@ -147,7 +147,7 @@ def _padded_bmm_swiglu(x, counts, w1, w2, w3):
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of]
     padded = x.new_zeros(e, cap, x.shape[-1])
     padded[expert_of, slot] = x
-    h = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    h = swiglu(torch.bmm(padded, w1), torch.bmm(padded, w3))
     out = torch.bmm(h, w2)
     return out[expert_of, slot]
 

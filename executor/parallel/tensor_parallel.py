@@ -51,6 +51,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from ..models.layers import is_type_checking
+from .fused_loss import fused_cross_entropy
+
 
 class _ReplicateWithPartialGrad(torch.autograd.Function):
     """A plain tensor holding the same value on every tp rank -> ``Replicate`` DTensor, whose
@@ -168,37 +171,57 @@ def _eager_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-_COMPILED_LOSS: list = []     # [the compiled loss] while `compile_loss` has it on (one run per process)
+LOSS_KINDS = ("compiled", "fused", "eager")
+_LOSS: dict = {"kind": "fused", "compiled": None}    # this process's loss of plain-tensor logits (one run per process)
+
+
+def set_loss(kind: str) -> None:
+    """How `cross_entropy` computes the loss of plain-tensor logits from now on: ``compiled`` (Inductor fuses
+    upcast, log-softmax and NLL, as TorchTitan compiles its loss), ``fused`` (``fused_loss.FusedCrossEntropy``,
+    titan-run's eager default: keeps the logits, not an fp32 copy) or ``eager`` (``F.cross_entropy`` on the
+    fp32 upcast: keeps the fp32 log-softmax, 4 bytes per logit, and backward adds two more fp32 copies).
+    Compiled and fused keep the logits themselves (the dtype's bytes) and write one gradient in that dtype:
+    measured in tests/test_compiled_loss.py.  Vocab-sharded DTensor logits (dtensor TP's ``loss_parallel``)
+    stay eager whatever the kind."""
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"set_loss: kind {kind!r} (allowed: {', '.join(LOSS_KINDS)})")
+    _LOSS["kind"] = kind
+    if kind == "compiled" and _LOSS["compiled"] is None:
+        _LOSS["compiled"] = torch.compile(_eager_cross_entropy)
 
 
 def compile_loss(enabled: bool) -> None:
-    """Compile the loss of plain-tensor logits from now on (`enabled`), or run it eager again.
+    """Compile the loss of plain-tensor logits from now on (`enabled`), else titan-run's eager default, the
+    fused Function (`set_loss`)."""
+    set_loss("compiled" if enabled else "fused")
 
-    Eager, the fp32 upcast and log-softmax keep an fp32 copy of the logits for backward (4 bytes per
-    logit) and backward adds two more fp32 ones; compiled (Inductor fuses upcast, log-softmax and NLL,
-    as TorchTitan compiles its loss), backward reads the logits themselves, so the loss keeps them (the
-    dtype's bytes) and per-token statistics, and writes one gradient in that dtype: measured in
-    tests/test_compiled_loss.py.  Vocab-sharded DTensor logits (dtensor TP's ``loss_parallel``) stay eager.
-    """
-    _COMPILED_LOSS.clear()
-    if enabled:
-        _COMPILED_LOSS.append(torch.compile(_eager_cross_entropy))
+
+def loss_kind(plan, workload) -> str:
+    """The loss titan-run runs for `plan` on plain-tensor logits (`set_loss`): ``compiled`` with compile on at
+    tp 1 under ``loss_impl`` auto or compiled (``Workload.compiles_loss``), else ``fused`` under auto, else
+    ``eager`` (``loss_impl`` eager or compiled without compile): the rule the cost model charges
+    (``cost_models.memory.loss_fused``)."""
+    if workload.compiles_loss(plan.compile, plan.tp):
+        return "compiled"
+    return "fused" if workload.loss_impl == "auto" else "eager"
 
 
 def loss_compiled(plan, workload) -> bool:
-    """Whether titan-run compiles the loss of `plan`: with compile on, at tp 1 (plain-tensor logits), with
-    ``loss_impl: auto`` (``Workload.compiles_loss``, the rule the cost model charges)."""
-    return workload.compiles_loss(plan.compile, plan.tp)
+    """Whether titan-run compiles the loss of `plan` (`loss_kind` is ``compiled``)."""
+    return loss_kind(plan, workload) == "compiled"
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy; `logits` may be a vocab-sharded DTensor (call inside `loss_parallel()`).
 
-    Logits are upcast to fp32 first (bf16 training keeps an fp32 loss); compiled when `compile_loss` is on
-    and the logits are a plain tensor.
+    bf16 training keeps an fp32 loss: every kind computes the log-softmax in fp32 (`set_loss`).
     """
-    if _COMPILED_LOSS and not isinstance(logits, DTensor):
-        return _COMPILED_LOSS[0](logits, labels)
+    if isinstance(logits, DTensor):
+        return _eager_cross_entropy(logits, labels)
+    if _LOSS["kind"] == "compiled":
+        return _LOSS["compiled"](logits, labels)
+    if _LOSS["kind"] == "fused" and not is_type_checking():    # (the checker types the plain ops one by one)
+        return fused_cross_entropy(logits, labels)
     return _eager_cross_entropy(logits, labels)
 
 
@@ -207,4 +230,5 @@ def loss_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-__all__ = ["apply_tp", "compile_loss", "cross_entropy", "loss_compiled", "loss_parallel", "loss_value"]
+__all__ = ["LOSS_KINDS", "apply_tp", "compile_loss", "cross_entropy", "loss_compiled", "loss_kind", "loss_parallel",
+           "loss_value", "set_loss"]
