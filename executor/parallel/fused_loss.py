@@ -7,9 +7,8 @@ bf16 run.  This Function keeps the logits themselves (the LM head's output, whic
 otherwise free: e bytes per logit) and the labels; forward takes each token's fp32 log-softmax a block
 of tokens at a time, backward rebuilds the block's fp32 softmax and writes the gradient in the logits'
 dtype (in place when that is fp32), so the turn adds e bytes per logit plus, below fp32, one block's fp32
-temporary.  What the cost model
-charges for a fused loss (``cost_models/memory.py`` ``logit_bytes``); measured in
-tests/test_compiled_loss.py.
+temporary.  What the cost model charges for a fused loss (``cost_models/memory.py`` ``logit_bytes``);
+measured in tests/test_compiled_loss.py.
 
 Forward computes the same fp32 log-softmax as the upcast path, and backward its gradient (softmax minus
 the label's one-hot, times g / N), so loss and gradient equal the upcast path's to fp32 rounding; on
