@@ -190,12 +190,6 @@ def set_loss(kind: str) -> None:
         _LOSS["compiled"] = torch.compile(_eager_cross_entropy)
 
 
-def compile_loss(enabled: bool) -> None:
-    """Compile the loss of plain-tensor logits from now on (`enabled`), else titan-run's eager default, the
-    fused Function (`set_loss`)."""
-    set_loss("compiled" if enabled else "fused")
-
-
 def loss_kind(plan, workload) -> str:
     """The loss titan-run runs for `plan` on plain-tensor logits (`set_loss`): ``compiled`` with compile on at
     tp 1 under ``loss_impl`` auto or compiled (``Workload.compiles_loss``), else ``fused`` under auto, else
@@ -230,5 +224,5 @@ def loss_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-__all__ = ["LOSS_KINDS", "apply_tp", "compile_loss", "cross_entropy", "loss_compiled", "loss_kind", "loss_parallel",
+__all__ = ["LOSS_KINDS", "apply_tp", "cross_entropy", "loss_compiled", "loss_kind", "loss_parallel",
            "loss_value", "set_loss"]
