@@ -118,6 +118,8 @@ def load_config(args, world_size: int):
 
 # --------------------------------------------------------------------------- launcher side
 def launcher_main(args, argv: list[str]) -> int:
+    from .launch import import_torch_quietly
+    import_torch_quietly()   # this process may become torchrun's agent (launch.run_torchrun)
     import torch  # torch: launcher path (not needed by --help and argument errors)
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = args.nproc or (n_gpu if n_gpu else cpu_default_nproc(args))

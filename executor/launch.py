@@ -1,13 +1,14 @@
 """Starting the worker processes: torchrun for one node, or an existing launcher.
 
-``titan-run`` started by hand runs torchrun (``python -m executor.launch torchrun
---standalone --nproc-per-node N -m executor.cli <same arguments>``: torchrun
-in-process, wrapped by :func:`torchrun_main`) and waits for it.  torchrun stops every
+``titan-run`` started by hand runs torchrun's agent in its own process (``torchrun
+--standalone --nproc-per-node N -m executor.cli <same arguments>``, wrapped by
+:func:`torchrun_main`; ``python -m executor.launch torchrun ...`` runs the same wrapper on
+its own).  torchrun stops every
 worker when one fails and exits non-zero, so a failing rank never leaves the others
 hanging (each process group also has a timeout).
 
-Every process of the chain dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
-:func:`die_with_parent`): titan-run -> torchrun -> workers (torchrun puts each worker in
+Every worker dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
+:func:`die_with_parent`): titan-run (the agent) -> workers (torchrun puts each worker in
 its own session, so a process-group kill does not reach them).  A killed ``titan-plan``
 or ``titan-run`` leaves nothing running.
 
@@ -26,7 +27,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -92,18 +92,34 @@ def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnod
     elastic = [f"--max-restarts={max_restarts}"] if max_restarts else []
     if nnodes:
         elastic.append(f"--nnodes={nnodes}")
-    cmd = [sys.executable, "-m", "executor.launch", "torchrun", *rdzv, *elastic, f"--nproc-per-node={nproc}",
-           "-m", "executor.cli", *cli_args]
-    proc = subprocess.Popen(cmd, env=child_env())
+    argv = [*rdzv, *elastic, f"--nproc-per-node={nproc}", "-m", "executor.cli", *cli_args]
+    # torchrun's agent runs in this process (the launcher has torch loaded already; a separate agent process
+    # cost one more interpreter and torch import, ~1.5 s a run); the workers inherit child_env()
+    saved, env = dict(os.environ), child_env()
+    os.environ.clear()
+    os.environ.update(env)
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return 130
+        return torchrun_main(argv, own_process=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def import_torch_quietly() -> None:
+    """Import torch with c10's log level at ERROR in this process only: the elastic agent's C++ store warnings
+    (a vanished peer's socket) stay off.  c10 reads the level once, when torch loads; the environment is put
+    back, so the workers get it as it was.  A no-op when torch is loaded already."""
+    if "torch" in sys.modules:
+        return
+    cpp_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        import torch  # noqa: F401  torch: launcher path (loaded here so the level above applies to this process)
+    finally:
+        if cpp_level is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level
 
 
 def rdzv_timeout_s() -> float:
@@ -144,19 +160,14 @@ def _local_world(args) -> int | None:
         return None
 
 
-def torchrun_main(argv: list[str]) -> int:
-    """torchrun in this process: dies with titan-run, ends every failure in one line (no error dump)."""
-    die_with_parent()
+def torchrun_main(argv: list[str], *, own_process: bool = True) -> int:
+    """torchrun in this process: ends every failure in one line (no error dump); `own_process` (``python -m
+    executor.launch torchrun``) also dies with its parent, titan-run."""
+    if own_process:
+        die_with_parent()
     os.environ.setdefault("LOGLEVEL", "ERROR")       # torchrun's info/warning chatter off (its own knob)
-    # the agent's C++ store warnings (a vanished peer's socket): off in this process only; c10 reads the
-    # level once, when torch loads, and the workers get the environment as it was
-    cpp_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    import torch  # noqa: F401  torch: launcher path (loaded here so the level above applies to this process)
-    if cpp_level is None:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
-    else:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level
+    import_torch_quietly()
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # torch: launcher path
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # torch: launcher path
     from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,  # torch: launcher path
                                                           RendezvousError)
@@ -171,6 +182,11 @@ def torchrun_main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         run(args)
+    except (SignalException, KeyboardInterrupt) as e:      # the agent stopped the workers before raising
+        sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
+        print(f"titan-run: stopped by {signal.Signals(sig).name}; the workers were stopped", file=sys.stderr,
+              flush=True)
+        return 128 + int(sig)
     except ChildFailedError as e:
         if e.get_first_failure()[1].exitcode == EXIT_BAD_INPUT:
             return EXIT_BAD_INPUT                    # the first failed rank printed the one line
