@@ -28,7 +28,7 @@ from search_spaces.typed import InputError, OneLineArgumentParser
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 from .elastic import launcher_world, load_elastic_config
 from .faults import EXIT_PEER_FAILED, expected_failure, peer_failure, print_once
-from .launch import die_with_parent, is_worker, run_torchrun, single_process_env
+from .launch import die_with_parent, import_torch_quietly, is_worker, run_torchrun, single_process_env
 
 # This module is the launcher: `titan-run --help` and bad-input errors must not pay for importing
 # torch (seconds).  So the modules that import torch (self_test, checkpoint_files, mesh, train,
@@ -118,7 +118,6 @@ def load_config(args, world_size: int):
 
 # --------------------------------------------------------------------------- launcher side
 def launcher_main(args, argv: list[str]) -> int:
-    from .launch import import_torch_quietly
     import_torch_quietly()   # this process may become torchrun's agent (launch.run_torchrun)
     import torch  # torch: launcher path (not needed by --help and argument errors)
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -18,7 +18,8 @@ PR_SET_PDEATHSIG = 1              # <linux/prctl.h>
 def die_with_parent() -> None:
     """SIGKILL this process when its parent dies, however it dies (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere).
 
-    Used as a ``preexec_fn`` (planner/trials.py) and at the start of the torchrun wrapper and of each worker.
+    Used as a ``preexec_fn`` (planner/trials.py) and at the start of each worker (and of ``python -m
+    executor.launch torchrun``).
     The signal fires when the parent *thread* ends, so children are started from the main thread.  If the
     parent died before the prctl took effect (re-parented already), exit at once.
     """

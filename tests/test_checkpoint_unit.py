@@ -173,25 +173,31 @@ def test_checkpoint_of_another_model_is_refused_before_start(tmp_path):
 
 
 def test_elastic_flags_reach_torchrun(monkeypatch):
+    """titan-run's flags reach torchrun's own parser, and its agent (run in titan-run's process) starts the
+    workers with child_env(); the launcher's environment is put back afterwards.  Only the agent's start is
+    replaced (it would start workers): torchrun parses the real command line."""
+    import torch.distributed.run as torchrun
+
     from executor import launch
-    seen = {}
+    seen = []
 
-    class FakePopen:            # only the torchrun command line is captured; nothing of torch is mocked
-        def __init__(self, cmd, env=None):
-            seen["cmd"] = cmd
-
-        def wait(self, timeout=None):
-            return 0
-    monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
+    def fake_run(args):
+        seen.append((args, dict(os.environ)))
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = dict(os.environ)
     assert launch.run_torchrun(4, ["--plan", "p.yaml"], max_restarts=3, nnodes="1:2", rdzv_endpoint="h:29400",
                                rdzv_id="job7") == 0
-    cmd = " ".join(seen["cmd"])
-    for part in ("--max-restarts=3", "--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400",
-                 "--rdzv-id=job7", "--nproc-per-node=4"):
-        assert part in cmd
-    assert "--standalone" not in cmd
+    args, env = seen[-1]
+    assert (args.max_restarts, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id,
+            args.nproc_per_node, args.standalone) == (3, "1:2", "c10d", "h:29400", "job7", "4", False)
+    assert (args.module, args.training_script, args.training_script_args) == (True, "executor.cli",
+                                                                               ["--plan", "p.yaml"])
+    assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(launch.REPO_ROOT)
+    assert dict(os.environ) == before
     launch.run_torchrun(2, [])
-    assert "--standalone" in seen["cmd"] and not any(a.startswith("--max-restarts") for a in seen["cmd"])
+    args, _ = seen[-1]
+    assert args.standalone and args.max_restarts == 0
 
 
 def test_export_without_safetensors_is_a_clear_error(monkeypatch):
