@@ -23,7 +23,9 @@ import yaml
 from cost_models.flops import param_counts
 from cost_models.specs import SpecError, load_model
 from executor.checkpoint_files import dcp_load, read_meta
+from executor.cli import main as executor_main
 from executor.models.llama import Transformer
+from planner.cli import main as plan_main
 from tests.distributed.harness import ROOT, env, titan_run_cmd
 
 transformers = pytest.importorskip("transformers")       # the dev extra
@@ -181,7 +183,7 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-def test_bad_hf_inputs_are_one_line_exit_2(tmp_path):
+def test_bad_hf_inputs_are_one_line_exit_2(tmp_path, capsys):
     good = tmp_path / "hf"
     hf_model(good, tied=False, scaling=None)
     cases = {}
@@ -211,18 +213,38 @@ def test_bad_hf_inputs_are_one_line_exit_2(tmp_path):
     bad.write_bytes(b"\xff" * 64)
     cases["damaged"] = (["import", "--safetensors", str(bad), "--model", "llama3-debug"],
                         "not a readable safetensors file")
-    for name, (args, want) in cases.items():
-        p = cli(*args, "--out", str(tmp_path / "out" / name.replace(" ", "_")))
-        lines = [line for line in p.stderr.splitlines() if line.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (name, p.stderr)
+    for i, (name, (args, want)) in enumerate(cases.items()):
+        argv = [*args, "--out", str(tmp_path / "out" / name.replace(" ", "_"))]
+        if i == 0:          # the first through the real command line; the rest through the same main(), in-process
+            p = cli(*argv)
+            rc, err = p.returncode, p.stderr
+        else:
+            capsys.readouterr()
+            try:
+                rc = executor_main(argv)
+            except SystemExit as e:
+                rc = e.code
+            err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (name, err)
         assert want in lines[0], (name, lines[0])
     # the planner reads the same config.json: same one-line refusals
-    for folder, want in ((moe, "architecture"), (yarn, "rope_type 'yarn'"), (noconfig, "no config.json")):
-        p = subprocess.run([sys.executable, "-m", "planner.cli", "--model", f"hf:{folder}", "--gpus", "2",
-                            "--out", str(tmp_path / "plan.yaml")], cwd=ROOT, env=env(), capture_output=True,
-                           text=True, timeout=120)
-        lines = [line for line in p.stderr.splitlines() if line.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and want in lines[0], p.stderr
+    for i, (folder, want) in enumerate(((moe, "architecture"), (yarn, "rope_type 'yarn'"),
+                                        (noconfig, "no config.json"))):
+        argv = ["--model", f"hf:{folder}", "--gpus", "2", "--out", str(tmp_path / "plan.yaml")]
+        if i == 0:
+            p = subprocess.run([sys.executable, "-m", "planner.cli", *argv], cwd=ROOT, env=env(),
+                               capture_output=True, text=True, timeout=120)
+            rc, err = p.returncode, p.stderr
+        else:
+            capsys.readouterr()
+            try:
+                rc = plan_main(argv)
+            except SystemExit as e:
+                rc = e.code
+            err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and want in lines[0], err
     with pytest.raises(SpecError, match="rope_type 'yarn'"):
         load_model(f"hf:{yarn}")
 

@@ -55,7 +55,7 @@ def _worker(rank: int, port: int, backend: str, reshard: bool, out_q) -> None:
         out_q.put((rank, traceback.format_exc()))
 
 
-BACKENDS = ["dtensor", pytest.param("spmd_types", marks=pytest.mark.skipif(
+BACKENDS = [pytest.param("dtensor", marks=pytest.mark.slow), pytest.param("spmd_types", marks=pytest.mark.skipif(
     spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported())))]
 
 

@@ -30,8 +30,9 @@ needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(sp
 LAYOUTS = {"cp2": Plan(cp=2, microbatch=4), "dp2xcp2": Plan(dp_shard=2, cp=2, microbatch=2),
            "cp2xtp2": Plan(cp=2, tp=2, microbatch=4), "hsdp2xcp2": Plan(dp_replicate=2, cp=2, microbatch=2),
            "dp2xcp2xtp2": Plan(dp_shard=2, cp=2, tp=2, microbatch=2)}
-# on the dtensor fallback only CP alone stays in the CI run (the composites run there under -m slow)
-PAIRS, AGREE = backend_params(LAYOUTS, slow={"hsdp2xcp2", "dp2xcp2xtp2"}, dtensor_slow={"dp2xcp2", "cp2xtp2"})
+# the dtensor fallback's runs (and the backend-agreement checks) are under -m slow: its quick cases in the CI run
+# are FSDP and TP (test_executor_parity, test_spmd_tp)
+PAIRS, AGREE = backend_params(LAYOUTS, slow={"hsdp2xcp2", "dp2xcp2xtp2"}, dtensor_slow={"cp2", "dp2xcp2", "cp2xtp2"})
 
 
 def _run(layout: str, backend: str):

@@ -45,6 +45,11 @@ def _layouts():
     return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS]
 
 
+# the dtensor fallback's runs and the backend-agreement checks are under -m slow: the fallback's quick cases in the
+# CI run (30 minutes on 2 cores) are FSDP and TP (test_executor_parity, test_spmd_tp)
+BACKENDS = ["spmd_types", pytest.param("dtensor", marks=pytest.mark.slow)]
+
+
 def _run(layout: str, backend: str):
     return run_on_its_backend(dataclasses.replace(LAYOUTS[layout], backend=backend), model=moe_spec_file(),
                               seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, reference_learns_by=1.0)
@@ -53,11 +58,12 @@ def _run(layout: str, backend: str):
 @needs_spmd
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", _layouts())
-@pytest.mark.parametrize("backend", ["spmd_types", "dtensor"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ep_matches_single_process(layout, backend):
     _run(layout, backend)
 
 
+@pytest.mark.slow
 @needs_spmd
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", _layouts())

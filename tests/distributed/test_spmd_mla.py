@@ -50,6 +50,11 @@ def _layouts():
     return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS]
 
 
+# the dtensor fallback's runs and the backend-agreement checks are under -m slow: the fallback's quick cases in the
+# CI run (30 minutes on 2 cores) are FSDP and TP (test_executor_parity, test_spmd_tp)
+BACKENDS = ["spmd_types", pytest.param("dtensor", marks=pytest.mark.slow)]
+
+
 def _run(layout: str, backend: str):
     plan, q_lora_rank = LAYOUTS[layout]
     return run_on_its_backend(dataclasses.replace(plan, backend=backend), model=spec_file(q_lora_rank),
@@ -59,11 +64,12 @@ def _run(layout: str, backend: str):
 @needs_spmd
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", _layouts())
-@pytest.mark.parametrize("backend", ["spmd_types", "dtensor"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mla_tp_matches_single_process(layout, backend):
     _run(layout, backend)
 
 
+@pytest.mark.slow
 @needs_spmd
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", _layouts())

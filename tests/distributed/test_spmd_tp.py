@@ -36,9 +36,9 @@ LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, mi
            "tp2_compile": Plan(tp=2, microbatch=4, compile=True),
            "dp2xtp2_compile": Plan(dp_shard=2, tp=2, microbatch=2, compile=True)}
 # out of the CI run (README test command, 30 minutes on 2 cores): HSDP x TP (HSDP and TP each have their quick
-# cases) and FSDP x TP compiled (tp2_compile and test_spmd_backend's fsdp2_compile stay), and FSDP x TP on the
-# dtensor fallback (TP alone runs there)
-PAIRS, AGREE = backend_params(LAYOUTS, slow={"hsdp2xtp2", "dp2xtp2_compile"}, dtensor_slow={"dp2xtp2"})
+# cases) and FSDP x TP compiled (tp2_compile and test_spmd_backend's fsdp2_compile stay), and on the dtensor
+# fallback FSDP x TP and compiled TP (TP alone runs there: the fallback's quick cases are FSDP and TP)
+PAIRS, AGREE = backend_params(LAYOUTS, slow={"hsdp2xtp2", "dp2xtp2_compile"}, dtensor_slow={"dp2xtp2", "tp2_compile"})
 
 
 def _run(layout: str, backend: str):
