@@ -153,6 +153,14 @@ after/TT 1.194x (rounds 1.194, 1.276, 1.132; before 1.194x), CPU ms per step 356
 ours idles ~60 ms of its ~355 ms step there (wall minus CPU: the ~75 blocking TP exchanges a step).  Last, the
 fast-quartile ratios of that run: TP 2 after/TT 1.245x (before 1.243x); of the FSDP 2 run above: 1.125x.
 
+After the fused eager loss and the SwiGLU Function (82a634f) and the in-process torchrun agent (7be0fe0; start-up
+only, outside the timed steps), measured 2026-12-06 10:55-11:01 on a quiet machine (the rest of the machine
+0.00-0.01 cores in every run, load1 1.0-2.2 = these runs), TorchTitan spmd_types / ours, medians of 3 alternating rounds:
+FSDP 2 1,601 / 1,779 tok/s/rank, ratio 1.124x (rounds 1.141, 1.124, 1.102), fast quartile 1.115x, CPU ms per step
+579 / 543 (CPU-work ratio 1.070); TP 2 1,102 / 1,339, 1.215x (1.261, 1.215, 1.189), fast quartile 1.199x, CPU 389 /
+328 (1.186).  A 20-step run's wall time, start-up included: FSDP 2 TorchTitan 24-27 s, ours 17-18 s; TP 2
+20-21 s, 13-14 s.  TP 2 meets the goal (>= 1.2x) on tokens/s; FSDP 2 does not.
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
