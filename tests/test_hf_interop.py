@@ -183,6 +183,22 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
+def _refusal(module: str, main, argv: list[str], capsys, *, real: bool) -> tuple[int, str]:
+    """(exit code, stderr) of a command line: through ``python -m module`` when `real`, else through the same
+    `main` in this process (the refusals are the CLI's own code either way; one real run per command checks the
+    wiring, the rest skip an interpreter start each)."""
+    if real:
+        p = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=env(), capture_output=True,
+                           text=True, timeout=300)
+        return p.returncode, p.stderr
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
 def test_bad_hf_inputs_are_one_line_exit_2(tmp_path, capsys):
     good = tmp_path / "hf"
     hf_model(good, tied=False, scaling=None)
@@ -215,16 +231,7 @@ def test_bad_hf_inputs_are_one_line_exit_2(tmp_path, capsys):
                         "not a readable safetensors file")
     for i, (name, (args, want)) in enumerate(cases.items()):
         argv = [*args, "--out", str(tmp_path / "out" / name.replace(" ", "_"))]
-        if i == 0:          # the first through the real command line; the rest through the same main(), in-process
-            p = cli(*argv)
-            rc, err = p.returncode, p.stderr
-        else:
-            capsys.readouterr()
-            try:
-                rc = executor_main(argv)
-            except SystemExit as e:
-                rc = e.code
-            err = capsys.readouterr().err
+        rc, err = _refusal("executor.cli", executor_main, argv, capsys, real=i == 0)
         lines = [line for line in err.splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (name, err)
         assert want in lines[0], (name, lines[0])
@@ -232,17 +239,7 @@ def test_bad_hf_inputs_are_one_line_exit_2(tmp_path, capsys):
     for i, (folder, want) in enumerate(((moe, "architecture"), (yarn, "rope_type 'yarn'"),
                                         (noconfig, "no config.json"))):
         argv = ["--model", f"hf:{folder}", "--gpus", "2", "--out", str(tmp_path / "plan.yaml")]
-        if i == 0:
-            p = subprocess.run([sys.executable, "-m", "planner.cli", *argv], cwd=ROOT, env=env(),
-                               capture_output=True, text=True, timeout=120)
-            rc, err = p.returncode, p.stderr
-        else:
-            capsys.readouterr()
-            try:
-                rc = plan_main(argv)
-            except SystemExit as e:
-                rc = e.code
-            err = capsys.readouterr().err
+        rc, err = _refusal("planner.cli", plan_main, argv, capsys, real=i == 0)
         lines = [line for line in err.splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1 and want in lines[0], err
     with pytest.raises(SpecError, match="rope_type 'yarn'"):
