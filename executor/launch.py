@@ -96,6 +96,8 @@ def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnod
     # torchrun's agent runs in this process (the launcher has torch loaded already; a separate agent process
     # cost one more interpreter and torch import, ~1.5 s a run); the workers inherit child_env()
     saved, env = dict(os.environ), child_env()
+    # the agent installs its own handlers (a signal stops the workers, then raises); put the launcher's back after
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     os.environ.clear()
     os.environ.update(env)
     try:
@@ -103,6 +105,9 @@ def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnod
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def import_torch_quietly() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -174,7 +175,7 @@ def test_checkpoint_of_another_model_is_refused_before_start(tmp_path):
 
 def test_elastic_flags_reach_torchrun(monkeypatch):
     """titan-run's flags reach torchrun's own parser, and its agent (run in titan-run's process) starts the
-    workers with child_env(); the launcher's environment is put back afterwards.  Only the agent's start is
+    workers with child_env(); the launcher's environment and signal handlers are put back afterwards.  Only the agent's start is
     replaced (it would start workers): torchrun parses the real command line."""
     import torch.distributed.run as torchrun
 
@@ -183,7 +184,9 @@ def test_elastic_flags_reach_torchrun(monkeypatch):
 
     def fake_run(args):
         seen.append((args, dict(os.environ)))
+        signal.signal(signal.SIGTERM, lambda *a: None)     # as the agent does (its handler stops the workers)
     monkeypatch.setattr(torchrun, "run", fake_run)
+    term = signal.getsignal(signal.SIGTERM)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = dict(os.environ)
     assert launch.run_torchrun(4, ["--plan", "p.yaml"], max_restarts=3, nnodes="1:2", rdzv_endpoint="h:29400",
@@ -194,7 +197,7 @@ def test_elastic_flags_reach_torchrun(monkeypatch):
     assert (args.module, args.training_script, args.training_script_args) == (True, "executor.cli",
                                                                                ["--plan", "p.yaml"])
     assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(launch.REPO_ROOT)
-    assert dict(os.environ) == before
+    assert dict(os.environ) == before and signal.getsignal(signal.SIGTERM) is term
     launch.run_torchrun(2, [])
     args, _ = seen[-1]
     assert args.standalone and args.max_restarts == 0
