@@ -62,7 +62,6 @@ def stdlib_files() -> tuple[Path, ...]:
     for folder, subdirs, names in os.walk(root):
         if folder == root:
             subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
-        subdirs.sort()
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     base = Path(root)
     return tuple(sorted((f for f in files if f.is_file()), key=lambda p: p.relative_to(base).as_posix()))

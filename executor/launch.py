@@ -1,6 +1,6 @@
 """Starting the worker processes: torchrun for one node, or an existing launcher.
 
-``titan-run`` started by hand runs torchrun's agent in its own process (``torchrun
+``titan-run`` started by hand runs torchrun's agent in titan-run's own process (``torchrun
 --standalone --nproc-per-node N -m executor.cli <same arguments>``, wrapped by
 :func:`torchrun_main`; ``python -m executor.launch torchrun ...`` runs the same wrapper on
 its own).  torchrun stops every
