@@ -175,8 +175,8 @@ def test_checkpoint_of_another_model_is_refused_before_start(tmp_path):
 
 def test_elastic_flags_reach_torchrun(monkeypatch):
     """titan-run's flags reach torchrun's own parser, and its agent (run in titan-run's process) starts the
-    workers with child_env(); the launcher's environment and signal handlers are put back afterwards.  Only the agent's start is
-    replaced (it would start workers): torchrun parses the real command line."""
+    workers with child_env(); the launcher's environment and signal handlers are put back afterwards.  Only the
+    agent's start is replaced (it would start workers): torchrun parses the real command line."""
     import torch.distributed.run as torchrun
 
     from executor import launch

@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
-from tests.distributed.harness import (assert_backends_agree, assert_close_per_step, free_port, run_on_its_backend,
-                                       run_titan)
+from tests.distributed.harness import (assert_backends_agree, assert_close_per_step, backend_params, free_port,
+                                       run_on_its_backend, run_titan)
 from tests.distributed.test_moe_parity import GLOBAL_BATCH, SEQ_LEN, moe_spec_file
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
@@ -41,13 +41,9 @@ LAYOUTS = {"dp2xep2": Plan(dp_shard=2, ep=2, microbatch=2),
 SLOW = {"dp4xep2", "hsdp2xep2", "dp2xtp2xep2", "pp2xdp2xep2"}          # four processes
 
 
-def _layouts():
-    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS]
-
-
 # the dtensor fallback's runs and the backend-agreement checks are under -m slow: the fallback's quick cases in the
 # CI run (30 minutes on 2 cores) are FSDP and TP (test_executor_parity, test_spmd_tp)
-BACKENDS = ["spmd_types", pytest.param("dtensor", marks=pytest.mark.slow)]
+PAIRS, AGREE = backend_params(LAYOUTS, slow=SLOW, dtensor_slow=set(LAYOUTS))
 
 
 def _run(layout: str, backend: str):
@@ -57,16 +53,14 @@ def _run(layout: str, backend: str):
 
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", _layouts())
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout, backend", PAIRS)
 def test_ep_matches_single_process(layout, backend):
     _run(layout, backend)
 
 
-@pytest.mark.slow
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", _layouts())
+@pytest.mark.parametrize("layout", AGREE)
 def test_backends_match_each_other(layout):
     a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
     assert_backends_agree(a, b)

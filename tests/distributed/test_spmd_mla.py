@@ -30,7 +30,7 @@ from executor.parallel import spmd_step
 from executor.parallel.fsdp import spmd_fsdp_supported
 from executor.parallel.parallelize import Precision, build_model_parts, resolve_backend, spmd_plan_unsupported
 from search_spaces.plan import Plan
-from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
+from tests.distributed.harness import (backend_params, in_fresh_process, assert_backends_agree, assert_close_per_step,
                                        run_on_its_backend, run_titan)
 from tests.distributed.test_mla import GLOBAL_BATCH, MODEL, SEQ_LEN, spec_file
 
@@ -46,13 +46,9 @@ SLOW = {"dp2xtp2", "cp2xtp2", "pp2xtp2", "dp2xtp2xep2",      # four processes
         "tp2_q0", "tp2_compile"}                              # the variants of the quick tp2 case
 
 
-def _layouts():
-    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS]
-
-
 # the dtensor fallback's runs and the backend-agreement checks are under -m slow: the fallback's quick cases in the
 # CI run (30 minutes on 2 cores) are FSDP and TP (test_executor_parity, test_spmd_tp)
-BACKENDS = ["spmd_types", pytest.param("dtensor", marks=pytest.mark.slow)]
+PAIRS, AGREE = backend_params(LAYOUTS, slow=SLOW, dtensor_slow=set(LAYOUTS))
 
 
 def _run(layout: str, backend: str):
@@ -63,16 +59,14 @@ def _run(layout: str, backend: str):
 
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", _layouts())
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout, backend", PAIRS)
 def test_mla_tp_matches_single_process(layout, backend):
     _run(layout, backend)
 
 
-@pytest.mark.slow
 @needs_spmd
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", _layouts())
+@pytest.mark.parametrize("layout", AGREE)
 def test_backends_match_each_other(layout):
     a, b = _run(layout, "spmd_types"), _run(layout, "dtensor")
     assert_backends_agree(a, b)

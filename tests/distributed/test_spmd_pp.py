@@ -53,11 +53,6 @@ def _run(layout: str, schedule: str, backend: str):
     return run_on_its_backend(_plan(layout, schedule, backend))
 
 
-# the dtensor fallback's runs (and the backend-agreement checks) are under -m slow: its quick cases in the CI run
-# are FSDP and TP (test_executor_parity, test_spmd_tp); the CI run keeps the time budget (30 minutes on 2 cores)
-FAST_ON_BOTH: set = set()
-
-
 # PP x replicate-only DP under the V schedules runs on spmd_types only: on the dtensor fallback its gradients do
 # not match one process (titan-run refuses it there: test_replicate_only_v_schedules_refused_on_dtensor)
 SPMD_ONLY = {"pp2xrep2"}
@@ -70,7 +65,9 @@ def _cases(*extra):
         for e in extra or [None]:
             if layout in SPMD_ONLY and e == "dtensor":
                 continue
-            fast = (layout, schedule) in FAST and (e == "spmd_types" or (layout, schedule) in FAST_ON_BOTH)
+            # the dtensor fallback's runs and the backend-agreement checks are under -m slow: its quick cases in
+            # the CI run (30 minutes on 2 cores) are FSDP and TP (test_executor_parity, test_spmd_tp)
+            fast = (layout, schedule) in FAST and e == "spmd_types"
             args = (layout, schedule) if e is None else (layout, schedule, e)
             yield pytest.param(*args, marks=[] if fast else [pytest.mark.slow], id="-".join(a for a in args))
 
