@@ -17,7 +17,8 @@ Mapping rules (stated once, applied to every row):
   megatron state layout (18 B/param) with the distributed optimizer (zero=1) unless the row
   says zero=0 or FSDP; their fused kernels are expressed as compile=True; selective
   recompute means Megatron's attention-core recompute.  TorchTitan rows use fsdp2, the
-  'op' selective policy, eager unless "compile" is listed, reshard_after_forward=True.
+  'op' selective policy, eager unless "compile" is listed, reshard_after_forward=True (False with a pipeline:
+  TorchTitan's apply_fsdp does not reshard after forward when pp > 1).
 * overlap features a framework states are the two overlap workload keys (every coefficient stays
   at its default for every row, so each row is a `titan-plan estimate` command line): TP-communication
   overlap (Megatron-LM README "TP overlap flags on"; Megatron-Bridge performance recipes) ->
@@ -373,6 +374,11 @@ def build_case(row) -> Case:
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
     zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
     compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
+    stated = str(par.get("compile", "")).lower()        # a row's own compile field, where it says on or off
+    if stated.startswith(("torch.compile on", "on", "true")):
+        compile_ = True
+    elif stated.startswith(("off", "false")):
+        compile_ = False
     # a stated norm kernel (TorchTitan's norm_type); unstated: the framework regime's, else PyTorch's composite,
     # fused exactly when compiled (norm_impl auto would be titan-run's own eager norm)
     norm_text = str(par.get("norm_type", "")).lower()
@@ -430,7 +436,19 @@ def build_case(row) -> Case:
     reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
     if source == "llama3-meta":
         reshard = False    # the paper: "for model shards we do not reshard after forward computation"
-    plan = Plan(dp_shard=dp, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb, n_microbatches=gb // (dp * mb),
+    if source == "torchtitan" and pp > 1:
+        # TorchTitan keeps a pipeline's blocks gathered: "For PP, do not reshard after forward to avoid per-
+        # microbatch all-gathers" (apply_fsdp, torchtitan/parallelisms/parallelize_llama.py at 9dec370; the
+        # "default" reshard_after_forward_policy, `not pp_enabled`, in torchtitan/distributed/fsdp.py since)
+        reshard = False
+    # FSDP1's HYBRID_SHARD without its own process groups shards within a node and replicates across nodes
+    # (torch.distributed.fsdp _init_utils: the intra-node group has the device count of the node)
+    hybrid = str(par.get("sharding_strategy", "")).upper() == "HYBRID_SHARD"
+    shard = min(dp, int(hw.gpus_per_node)) if hybrid else dp
+    if dp % shard:
+        raise ValueError(f"HYBRID_SHARD: data-parallel degree {dp} is not a multiple of {shard} GPUs per node")
+    plan = Plan(dp_replicate=dp // shard, dp_shard=shard, pp=pp, tp=tp, cp=cp, ep=ep, microbatch=mb,
+                n_microbatches=gb // (dp * mb),
                 schedule=schedule, stages_per_rank=v, ac=ac or "none", compile=compile_, float8=f8,
                 reshard_after_forward=reshard, runnable=False)    # a what-if, as `titan-plan estimate`
     # ep over the TP ranks too (Megatron-core's folded expert layout): whole experts, as the estimate CLI takes them
