@@ -336,4 +336,26 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
     turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
     logits = np.where(has_head, shared["logits_head"] - shared["logits_turn"], 0.0) + turn_excess
+    # Where the pipeline re-gathers each block in backward and keeps it gathered (`fsdp_at_turn` < `fsdp`:
+    # reshard after forward, the schedule's reshard after backward off), a block's parameters are gathered
+    # as its backward frees that micro-batch's activations of it, and all of them stay gathered only once the
+    # backward is done (the next forward reshards them block by block as it makes its activations).  So the
+    # peaks are the loss turn (`fsdp_at_turn`), the start of a backward (all in-flight micro-batches, the
+    # block and its prefetched successor gathered: 4 e x the largest unit, as `_fsdp2_state_bytes` counts a
+    # re-gather) and the end of a backward (one micro-batch fewer but its first block's, all gathered), not
+    # the sum of all in-flight activations and all gathered blocks.  With P = in-flight blocks, T = turn +
+    # fsdp_at_turn, X = working set + fsdp, c = the freed blocks and g = fsdp - the backward start's gathers:
+    #   max(P + T, P + X - g, P - c + X) = P + max(X, T) - min(c, g, max(0, X - T)).
+    # (titan-run --dry-run --memory, llama3-405b TP 8 x PP 16 x FSDP 128, last rank: at the step's peak, the
+    # loss turn, 1.98 GiB of gathered parameters and buffers of the stage's 6.98.)  One stage per rank only:
+    # under the interleaved schedules the other chunks' forwards reshard them in between.
+    regather = (fsdp_at_turn < fsdp) & (table.stages_per_rank == 1)
+    blocks = nd * shared["dense_act"] + nm * shared["moe_act"]
+    first_block = np.where(nd > 0, shared["dense_act"], shared["moe_act"])
+    freed = np.maximum(0.0, blocks - first_block) * coeffs.activation_memory_scale
+    local = rp[f"{which}_dense"] + rp[f"{which}_expert"]
+    gathered_later = np.maximum(0.0, e * local - 4.0 * e * rp[f"{which}_unit"])
+    credit = np.minimum(np.minimum(freed, gathered_later),
+                        np.maximum(0.0, (working_set + fsdp) - (transient + fsdp_at_turn)))
+    acts = acts - np.where(regather, credit, 0.0)
     return acts, logits
