@@ -29,9 +29,10 @@ def in_process(repeats: int = 5, model_name: str = "llama3-405b", hardware: str 
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        # what `titan-plan` searches when the question states neither: both pipeline splits, both TP regimes
+        # what `titan-plan` searches when the question states none: both pipeline splits, both TP regimes, both
+        # pipeline gradient syncs
         res = plan_candidates(space, model, hw, wl, world_size=world, pp_splits=("layers", "weighted"),
-                              tp_activations=("auto", "sharded"))
+                              tp_activations=("auto", "sharded"), grad_syncs=("auto", "every_microbatch"))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), res.n_candidates, res.n_feasible
 

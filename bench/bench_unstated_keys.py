@@ -47,8 +47,15 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
         # what `titan-plan estimate` takes for the keys left unstated (`planner.whatif.workload_variants`, each
         # variant on the row's layout if titan-run runs it there, kept by the variants' rule)
         variants, rule = workload_variants(w, [c.plan])
-        preds = [vr.predict(dataclasses.replace(c, workload=v)) for j, v in enumerate(variants)
-                 if j == 0 or runnable_under(v, [c.plan])]
+        preds, fitted = [], {}
+        for j, v in enumerate(variants):
+            if j and not runnable_under(v, [c.plan]):
+                continue
+            if v.pp_grad_sync != w.pp_grad_sync and fitted.get(v.tp_activations):
+                continue            # a sync per micro-batch only where the default sync does not fit (as the estimate)
+            preds.append(vr.predict(dataclasses.replace(c, workload=v)))
+            if v.pp_grad_sync == w.pp_grad_sync:
+                fitted[v.tp_activations] = preds[-1]["fits"]
         b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds])]
         if c.trained:
             trained += 1

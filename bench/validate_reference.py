@@ -404,6 +404,11 @@ def build_case(row) -> Case:
               moe_weighting=str(recipe.get("moe_weighting", "auto")),
               ep_dispatch=str(recipe.get("ep_dispatch", "auto")),
               expert_tp=str(recipe.get("expert_tp", "auto")))
+    if state == "fsdp2" and kw.get("pp_grad_sync", "auto") == "auto":
+        # a published run synced its gradients one way: the FSDP stacks' pipelines are torch's (or none), whose
+        # backward turns the sync off for all but the last micro-batch (`titan-plan estimate` may choose the
+        # other for an unstated key, which is a question about titan-run)
+        kw["pp_grad_sync"] = "last_microbatch"
     if materialized and "sequence_parallel" in par:
         kw["sequence_parallel"] = bool(par["sequence_parallel"])
     if modules:

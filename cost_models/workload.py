@@ -110,7 +110,9 @@ class Workload:
     so the fsdp2 layout accumulates unsharded fp32 gradients and keeps the parameters gathered; Megatron
     reduces its gradient buffer once per step) or ``every_microbatch`` (FSDP reduce-scatters each
     micro-batch's gradients into the shard, as without a pipeline: the Llama 3 paper, Sec. 3.3.2, "our use
-    of FSDP ... shards optimizer states and gradients"; fsdp2 layout only).
+    of FSDP ... shards optimizer states and gradients"; fsdp2 layout only); ``auto`` is ``last_microbatch``
+    where titan-run runs it, and what ``titan-plan`` and ``titan-plan estimate`` may set to ``every_microbatch``
+    when that makes a faster layout fit (as they do for ``tp_activations``).
 
     ``pp_split`` is how the layers are cut into pipeline stages (`cost_models.layout.stage_layer_counts`,
     the one split of the cost model and the executor): ``layers`` (the layers as even as possible, the
@@ -241,7 +243,7 @@ class Workload:
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
     pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
     pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
-    pp_grad_sync: Literal["last_microbatch", "every_microbatch"] = "last_microbatch"   # pipeline: DP grad sync
+    pp_grad_sync: Literal["auto", "last_microbatch", "every_microbatch"] = "auto"   # pipeline: DP grad sync
     pp_split: Literal["layers", "weighted"] = "layers"        # pipeline: how layers are cut into stages
     tp_comm_overlap: Literal["auto", "none", "full", "async"] = "auto"   # TP collectives under their matmuls
     dp_comm_overlap: Literal["auto", "none", "full"] = "auto"   # DP/FSDP collectives under compute
@@ -254,10 +256,10 @@ class Workload:
         if self.master_dtype != "fp32" and self.state_layout != "megatron":
             raise SpecError(f"workload key 'master_dtype' is {self.master_dtype!r} with state_layout "
                             f"{self.state_layout!r}: fsdp2's parameters are the fp32 master copy (allowed: fp32)")
-        if self.pp_grad_sync != "last_microbatch" and self.state_layout != "fsdp2":
+        if self.pp_grad_sync == "every_microbatch" and self.state_layout != "fsdp2":
             raise SpecError(f"workload key 'pp_grad_sync' is {self.pp_grad_sync!r} with state_layout "
                             f"{self.state_layout!r}: the megatron layout reduces its gradient buffer once per step "
-                            "(allowed: last_microbatch)")
+                            "(allowed: auto, last_microbatch)")
         if self.selective_ac != "modules" and tuple(self.recompute_modules) != ("core_attn",):
             raise SpecError(f"workload key 'recompute_modules' is {list(self.recompute_modules)} with selective_ac "
                             f"{self.selective_ac!r}: the list is read only with selective_ac 'modules'")
@@ -379,7 +381,13 @@ class Workload:
     @property
     def pp_defers_grad_sync(self) -> bool:
         """True when, under a pipeline, the gradient reduction waits for the last micro-batch."""
-        return self.pp_grad_sync == "last_microbatch"
+        return self.pp_grad_sync_mode == "last_microbatch"
+
+    @property
+    def pp_grad_sync_mode(self) -> str:
+        """``pp_grad_sync`` with ``auto`` resolved: ``last_microbatch`` (titan-run's default; the planner takes
+        ``every_microbatch`` for an unstated key only where it makes a faster layout fit)."""
+        return "every_microbatch" if self.pp_grad_sync == "every_microbatch" else "last_microbatch"
 
     @property
     def float8_cache_mode(self) -> str:

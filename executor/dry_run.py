@@ -79,7 +79,7 @@ def inspect_rank(cfg, rank: int, world: int, *, memory: bool, announce: bool = F
         # (TP/EP-local) size -- expert weights are sharded over dp_shard*cp/ep ranks, not dp_shard*cp.
         unsharded = _fsdp_unsharded_numel(stages)
         # (workload pp_grad_sync: every_microbatch reduce-scatters each micro-batch's into the shard instead)
-        defers = cfg.workload.pp_grad_sync == "last_microbatch"
+        defers = cfg.workload.pp_defers_grad_sync
         grad_numel = (sum(unsharded.get(id(p), _local_numel(p)) for p in params if p.requires_grad)
                       if plan.pp > 1 and plan.n_microbatches > 1 and defers else trainable)
         out: dict[str, Any] = {

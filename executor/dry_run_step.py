@@ -303,7 +303,7 @@ def fake_step_peak(stages, cfg, meshes, precision, *, backend: str = "dtensor"
             with loss_ctx():
                 max_live = _replay(actions, dict(stages), plan, tokens=tokens, labels=labels, positions=positions,
                                    hidden=(hidden_shape, precision.param_dtype), loss_fn=loss_fn,
-                                   grad_sync=cfg.workload.pp_grad_sync)
+                                   grad_sync=cfg.workload.pp_grad_sync_mode)
             optimizer.step()
             optimizer.zero_grad()
         snap = tracker.get_tracker_snapshot("peak")

@@ -141,10 +141,10 @@ def setup(cfg: RunConfig) -> Trainer:
     runner = None
     if cfg.plan.pp > 1 and backend == "spmd_types":     # typed stages and loss: parallel/spmd_pipeline.py
         runner = build_typed_schedule(stages, cfg.plan, meshes, device, typecheck=cfg.train.spmd_typecheck,
-                                      grad_sync=cfg.workload.pp_grad_sync)
+                                      grad_sync=cfg.workload.pp_grad_sync_mode)
     elif cfg.plan.pp > 1:
         runner = build_schedule(stages, cfg.plan, meshes.pp, cross_entropy, device,
-                                step_context=lambda: loss_context(cfg), grad_sync=cfg.workload.pp_grad_sync)
+                                step_context=lambda: loss_context(cfg), grad_sync=cfg.workload.pp_grad_sync_mode)
 
     # 3. optimizer and LR schedule
     optimizer = build_optimizer(stages, cfg, device)

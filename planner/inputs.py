@@ -94,7 +94,8 @@ WORKLOAD_HELP = {
                        "per_microbatch), per_microbatch (titan-run, Megatron: a micro-batch's buffer from its "
                        "receive to its use) or persistent (torch's PipelineStage as TorchTitan runs it: one "
                        "buffer per micro-batch and direction, kept for the stage's life)",
-    "pp_grad_sync": "when FSDP reduce-scatters gradients under a pipeline: last_microbatch (default: torch's "
+    "pp_grad_sync": "when FSDP reduce-scatters gradients under a pipeline: auto (default: last_microbatch, or "
+                    "every_microbatch where only that makes a faster layout fit), last_microbatch (torch's "
                     "pipelining, unsharded fp32 gradients accumulated) or every_microbatch (each micro-batch into "
                     "the shard, as the Llama 3 paper's FSDP; fsdp2 layout only; titan-run runs both, every_microbatch "
                     "not on the V schedules)",

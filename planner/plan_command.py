@@ -46,15 +46,24 @@ def tp_activations_to_search(q: PlanInputs) -> tuple[str, ...] | None:
     return ("auto", "sharded") if wl.tp_activations == "auto" and wl.state_layout == "fsdp2" else None
 
 
+def grad_syncs_to_search(q: PlanInputs) -> tuple[str, ...] | None:
+    """Both gradient syncs titan-run runs under a pipeline -- ``auto`` (after the last micro-batch) and
+    ``every_microbatch`` (each micro-batch reduce-scattered into the shard, no unsharded gradients kept; not on the
+    split-backward schedules) -- when the question leaves ``pp_grad_sync`` ``auto`` under titan-run's fsdp2 state;
+    None (the given one) otherwise."""
+    wl = q.workload
+    return ("auto", "every_microbatch") if wl.pp_grad_sync == "auto" and wl.state_layout == "fsdp2" else None
+
+
 def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     d = read_question(args.plan_file, args)[1]
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     space = load_space(args.space or default_space(q.model, q.workload))
-    splits, tpas = pp_splits_to_search(args, d, q), tp_activations_to_search(q)
+    splits, tpas, syncs = pp_splits_to_search(args, d, q), tp_activations_to_search(q), grad_syncs_to_search(q)
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
                           coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
-                          tp_activations=tpas)
+                          tp_activations=tpas, grad_syncs=syncs)
     elapsed = time.perf_counter() - t0
     if not res.n_feasible and res.n_candidates:     # legal layouts, none fits: say how many devices would do
         # a node shape the question states is kept; else the hardware's own (a small world had fewer per node)
@@ -63,7 +72,7 @@ def cmd_plan(args) -> int:
         found = smallest_fitting_world(space, q.model, hw, q.workload, world_size=q.gpus,
                                        gpus_per_node=q.gpus_per_node if stated else None, coeffs=q.coeffs,
                                        memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
-                                       tp_activations=tpas)
+                                       tp_activations=tpas, grad_syncs=syncs)
         if found is not None:
             k, bigger = found
             b = bigger.best()
@@ -105,6 +114,8 @@ def cmd_plan(args) -> int:
             doc["pp_split"] = {"chosen": res.workload.pp_split, "best_step_s": res.split_best}
         if res.tp_best:
             doc["tp_activations"] = {"chosen": res.workload.tp_activations, "best_step_s": res.tp_best}
+        if res.sync_best:
+            doc["pp_grad_sync"] = {"chosen": res.workload.pp_grad_sync, "best_step_s": res.sync_best}
         print(json.dumps(doc, indent=2))
         return 0
     _print_ranking(args, q, res, space, top, elapsed)
@@ -121,6 +132,8 @@ def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None
         print(split_line(res))
     if res.tp_best and res.n_feasible and res.workload.tp_activations == "sharded":
         print(tp_line(res))
+    if res.sync_best and res.n_feasible and res.workload.pp_grad_sync == "every_microbatch":
+        print(sync_line(res))
     print()
     order = "fastest p90 step first" if args.rank_by == "p90" else "fastest first"
     print(report.format_table(res.table, res.est, top, title=f"top {len(top)} ({order}):",
@@ -154,6 +167,15 @@ def tp_line(res) -> str:
     return (f"TP activations: sharded (each TP block keeps its sequence shard and all-gathers it again in "
             f"backward; spmd_types, eager): {show['sharded']}; gathered: {show['auto']}  "
             f"(set --tp-activations to fix one)")
+
+
+def sync_line(res) -> str:
+    """Why the chosen plan reduce-scatters every micro-batch: each regime's best step (`PlanningResult.sync_best`)."""
+    unit = "p90 step" if res.rank_by == "p90" else "step"
+    show = {k: "nothing fits" if v is None else f"best {unit} {v:.4g} s" for k, v in res.sync_best.items()}
+    return (f"pipeline gradient sync: every_microbatch (each micro-batch's gradients reduce-scattered into the "
+            f"shard, none kept unsharded): {show['every_microbatch']}; last_microbatch: {show['auto']}  "
+            f"(set --pp-grad-sync to fix one)")
 
 
 def _print_outcome(args, res, best, contents: dict, dry_rows, trial_rows) -> None:

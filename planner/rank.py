@@ -44,6 +44,8 @@ class PlanningResult:
     # likewise the TP activation regimes searched (`plan_candidates(tp_activations=...)`): the chosen one is
     # ``workload.tp_activations``
     tp_best: dict[str, float | None] = field(default_factory=dict)
+    # and the gradient-sync regimes (`plan_candidates(grad_syncs=...)`): the chosen one is ``workload.pp_grad_sync``
+    sync_best: dict[str, float | None] = field(default_factory=dict)
     enumeration: Enumeration | None = field(default=None, repr=False)   # what `table` came from
 
     def step_time(self) -> np.ndarray:
@@ -84,7 +86,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
                     world_size: int, gpus_per_node: int | None = None, coeffs: Coefficients | None = None,
                     memory_margin: float = 0.0, rank_by: str = "time",
                     pp_splits: tuple[str, ...] | None = None,
-                    tp_activations: tuple[str, ...] | None = None) -> PlanningResult:
+                    tp_activations: tuple[str, ...] | None = None,
+                    grad_syncs: tuple[str, ...] | None = None) -> PlanningResult:
     """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin).
 
     ``rank_by="p90"`` ranks by the conservative step time (`Estimates.step_time_p90_s`) and judges
@@ -97,28 +100,35 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     ``tp_activations`` values, e.g. ``("auto", "sharded")``; default: the workload's own) likewise, each with every
     split, only when there are candidates with ``tp > 1``: under ``sharded`` the candidates titan-run cannot keep
     sequence shards on (`plan.tp_shards_unrunnable`) are rejected, so that regime wins only where keeping
-    shards lets a faster layout fit.  ``split_best`` / ``tp_best`` give each value's best step (over the others).
+    shards lets a faster layout fit.  `grad_syncs` (workload ``pp_grad_sync`` values, e.g. ``("auto",
+    "every_microbatch")``) likewise, only when there are candidates with ``pp > 1``: under ``every_microbatch`` the
+    split-backward pipelines are rejected (`plan.grad_sync_unrunnable`), and the regime wins only where it lets a
+    faster layout fit (it is estimated on the candidates that do not fit under the default regimes only).  ``split_best`` / ``tp_best`` / ``sync_best`` give each value's best step (over the others).
     """
     if rank_by not in RANK_BY:
         raise PlanningError(f"rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     splits = tuple(dict.fromkeys(pp_splits or (workload.pp_split,)))
     tpas = tuple(dict.fromkeys(tp_activations or (workload.tp_activations,)))
+    syncs = tuple(dict.fromkeys(grad_syncs or (workload.pp_grad_sync,)))
     kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, coeffs=coeffs, memory_margin=memory_margin,
               rank_by=rank_by)
-    first = _plan_one(space, model, hw, dataclasses.replace(workload, pp_split=splits[0], tp_activations=tpas[0]),
-                      **kw)
+    first = _plan_one(space, model, hw, dataclasses.replace(workload, pp_split=splits[0], tp_activations=tpas[0],
+                                                            pp_grad_sync=syncs[0]), **kw)
     splits = splits if (first.table.pp > 1).any() else splits[:1]
     tpas = tpas if (first.table.tp > 1).any() else tpas[:1]
-    if len(splits) == 1 and len(tpas) == 1:
+    syncs = syncs if ((first.table.pp > 1) & (first.table.fsdp_size > 1)).any() else syncs[:1]
+    if len(splits) == 1 and len(tpas) == 1 and len(syncs) == 1:
         return first
     results, base = [], {}
-    for a in tpas:
-        for s in splits:
-            wl = dataclasses.replace(workload, pp_split=s, tp_activations=a)
-            r = first if (s, a) == (splits[0], tpas[0]) else _plan_one(space, model, hw, wl, reuse=base.get(s), **kw)
-            if r.workload.tp_keeps_gathered:      # a gathered run of this split: what a sharded one shares
-                base[s] = r
-            results.append(r)
+    for g in syncs:
+        for a in tpas:
+            for s in splits:
+                wl = dataclasses.replace(workload, pp_split=s, tp_activations=a, pp_grad_sync=g)
+                r = (first if (s, a, g) == (splits[0], tpas[0], syncs[0])
+                     else _plan_one(space, model, hw, wl, reuse=base.get(s), **kw))
+                if r.workload.tp_keeps_gathered and r.workload.pp_defers_grad_sync:
+                    base[s] = r       # the default regimes of this split: what the others share
+                results.append(r)
 
     def best_step(r: PlanningResult) -> float | None:
         return float(r.step_time()[r.order[0]]) if r.n_feasible else None
@@ -126,7 +136,7 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     def key(r: PlanningResult) -> tuple:
         # the TP regime's rank breaks ties of the step before memory does: keeping shards (the second regime) is
         # taken only where it makes a layout fit that is faster, not for the memory it saves at the same speed
-        rank = tpas.index(r.workload.tp_activations)
+        rank = (syncs.index(r.workload.pp_grad_sync), tpas.index(r.workload.tp_activations))
         if not r.n_feasible:
             return (1, float(r.peak_memory().min(initial=np.inf)), rank, 0.0)
         i = r.order[0]
@@ -142,6 +152,7 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
         return out
     chosen.split_best = best_of("pp_split", splits) if len(splits) > 1 else {}
     chosen.tp_best = best_of("tp_activations", tpas) if len(tpas) > 1 else {}
+    chosen.sync_best = best_of("pp_grad_sync", syncs) if len(syncs) > 1 else {}
     return chosen
 
 
@@ -166,21 +177,39 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
               world_size: int, gpus_per_node: int | None, coeffs: Coefficients | None,
               memory_margin: float, rank_by: str, reuse: PlanningResult | None = None) -> PlanningResult:
     """`plan_candidates` for the workload's own pipeline split.  `reuse`: the result of the same split with the
-    gathered TP regime, when `workload` keeps TP shards: its enumeration is this one's, and only the candidates
-    the regime changes (tp > 1, runnable under it) are estimated again."""
+    gathered TP regime and the deferred gradient sync, when `workload` keeps TP shards or syncs every micro-batch:
+    its enumeration is this one's, and only the candidates the regimes change (tp > 1, or an FSDP-sharded
+    pipeline; runnable under them) are estimated again."""
     target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
                          global_batch=workload.global_batch,
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
                          float8_supported=hw.supports_float8 and hw.device != "cpu",
                          pp_weighted=workload.pp_weighted)
     shards = workload.state_layout == "fsdp2" and not workload.tp_keeps_gathered   # titan-run keeps TP shards
-    reuse = reuse if shards and reuse is not None and reuse.enumeration is not None else None
+    every = workload.state_layout == "fsdp2" and not workload.pp_defers_grad_sync   # a sync per micro-batch
+    reuse = reuse if (shards or every) and reuse is not None and reuse.enumeration is not None else None
     en: Enumeration = reuse.enumeration if reuse else enumerate_plans(space, target)
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
     cannot = tp_shards_unrunnable(en.table) if shards else np.zeros(len(en.table), dtype=bool)
-    if reuse:       # tp 1 is the same under both regimes; what cannot run is rejected below
-        changed = np.flatnonzero((en.table.tp > 1) & ~cannot)
+    unsynced = grad_sync_unrunnable(en.table, workload.pp_grad_sync)
+    if reuse:       # what neither regime changes keeps its estimate; what cannot run is rejected below
+        t = en.table
+        changed = np.zeros(len(t), dtype=bool)
+        if shards:
+            changed |= (t.tp > 1) & ~cannot
+        if every:
+            changed |= (t.pp > 1) & (t.fsdp_size > 1) & ~unsynced & ~cannot
+            # a sync per micro-batch is searched for the memory it saves: only what does not fit under the
+            # default regimes is estimated again (the rest keeps the default's figures, which rank first on a tie)
+            base_fits = np.zeros(len(t), dtype=bool)
+            base_fits[reuse.order] = True
+            # ... and of those, what could fit: the sync saves at most the rank's gradients, gathered parameters and
+            # the overhead on them, so a candidate still over the limit without all of them cannot fit
+            m = reuse.est.memory
+            floor = reuse.est.peak_memory_bytes - m["grads"] - m["fsdp_buffers"] - m["overhead"]
+            changed &= ~base_fits & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin))
+        changed = np.flatnonzero(changed)
         est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))
     else:
         est = estimate(en.table, model, hw, workload, coeffs)
@@ -192,7 +221,7 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     # candidate counted under the first reason
     refused = np.zeros(len(en.table), dtype=bool)
     for reason, mask in ((C.R_TP_SHARDS, cannot),
-                         (C.R_GRAD_SYNC, grad_sync_unrunnable(en.table, workload.pp_grad_sync)),
+                         (C.R_GRAD_SYNC, unsynced),
                          (C.R_BACKEND, backend_unrunnable(en.table))):
         new = mask & ~refused
         if new.any():
@@ -215,7 +244,8 @@ def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpe
                            memory_margin: float = 0.0, rank_by: str = "time",
                            max_world: int = MAX_WORLD_SIZE,
                            pp_splits: tuple[str, ...] | None = None,
-                           tp_activations: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
+                           tp_activations: tuple[str, ...] | None = None,
+                           grad_syncs: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
     """When nothing fits on `world_size` devices: the smallest power-of-two multiple of it (up to `max_world`)
     on which some layout of `space` fits, with its planning result, or None.  The global batch stays the
     question's; multiples of the world keep the node shape."""
@@ -223,7 +253,7 @@ def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpe
     while k <= max_world:
         res = plan_candidates(space, model, hw, workload, world_size=k, gpus_per_node=gpus_per_node, coeffs=coeffs,
                               memory_margin=memory_margin, rank_by=rank_by, pp_splits=pp_splits,
-                              tp_activations=tp_activations)
+                              tp_activations=tp_activations, grad_syncs=grad_syncs)
         if res.n_feasible:
             return k, res
         k *= 2

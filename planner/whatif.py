@@ -19,6 +19,7 @@ and at the speed of the best one, not by one default alone.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Any
 
@@ -147,18 +148,50 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
       forces them for bf16) and bf16 ones (NeMo's and Megatron-Bridge's performance recipes,
       ``grad_reduce_in_fp32=False``); rule ``first_fit``: the layout trained with one of them, and a verdict
       on it should not rest on the heavier one alone;
-    * titan-run's fsdp2 state with ``tp_activations: auto`` and a layout with tp > 1 (of `plans`): the gathered
-      inputs and the sequence shards (``sharded``, which titan-run runs on spmd_types, eager, ac none or
-      full, no float8); rule ``fastest``: as the search does (`planner.rank.plan_candidates`), sharded
-      only where it makes a faster setting fit.
+    * titan-run's fsdp2 state, rule ``fastest`` (as the search does, `planner.rank.plan_candidates`: a variant
+      only where it makes a faster setting fit), each of these keys left ``auto`` with the values titan-run runs:
+      ``tp_activations`` with a layout with tp > 1 (of `plans`): the gathered inputs and the sequence shards
+      (``sharded``, which titan-run runs on spmd_types, eager, ac none or full, no float8); ``pp_grad_sync``
+      with a pipeline whose FSDP shards (pp > 1, dp_shard x cp > 1): the gradients reduce-scattered after the last
+      micro-batch and after every one (``every_microbatch``: no unsharded gradients accumulated; not on the V
+      schedules; estimated on the plans that do not fit with the default sync only); every combination, the
+      defaults first.
 
     Otherwise just `workload`."""
     if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
         return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")], "first_fit"
-    if (workload.state_layout == "fsdp2" and workload.tp_activations == "auto" and plans
-            and any(p.tp > 1 for p in plans)):
-        return [workload, dataclasses.replace(workload, tp_activations="sharded")], "fastest"
-    return [workload], "first_fit"
+    if workload.state_layout != "fsdp2" or not plans:
+        return [workload], "first_fit"
+    choices = [[{}]]
+    if workload.tp_activations == "auto" and any(p.tp > 1 for p in plans):
+        choices.append([{}, {"tp_activations": "sharded"}])
+    if workload.pp_grad_sync == "auto" and any(p.pp > 1 and p.fsdp_size > 1 and not p.is_v_schedule for p in plans):
+        choices.append([{}, {"pp_grad_sync": "every_microbatch"}])
+    if len(choices) == 1:
+        return [workload], "first_fit"
+    variants = [dataclasses.replace(workload, **{k: v for c in combo for k, v in c.items()})
+                for combo in itertools.product(*choices[1:][::-1])]
+    return [w for _, w in sorted(enumerate(variants), key=lambda kw: (_changed(workload, kw[1]), kw[0]))], "fastest"
+
+
+# the workload keys an estimate may choose for the question (`workload_variants`): (key, flag, what the chosen
+# value does)
+_CHOSEN_KEYS = (("tp_activations", "tp-activations",
+                 "each TP block keeps its sequence shard and all-gathers it again in backward"),
+                ("pp_grad_sync", "pp-grad-sync",
+                 "each micro-batch's gradients are reduce-scattered into the shard, none accumulated unsharded"))
+
+
+def _changed(base, w) -> int:
+    """How many of `_CHOSEN_KEYS` `w` sets away from `base`."""
+    return sum(getattr(w, k) != getattr(base, k) for k, _, _ in _CHOSEN_KEYS)
+
+
+def _variant_label(base, w, keys: list[str]) -> str:
+    """`w`'s values of `keys` (those the variants differ in), ``auto`` shown as what it runs."""
+    shown = {"tp_activations": lambda v: "gathered" if v == "auto" else v,
+             "pp_grad_sync": lambda v: "last_microbatch" if v == "auto" else v}
+    return ", ".join(shown[k](getattr(w, k)) for k in keys)
 
 
 def pick_variant(rule: str, fits: list[bool], step: list[float]) -> int:
@@ -189,10 +222,11 @@ def workload_limits(plan: Plan, workload) -> list[tuple[str, str]]:
 
 
 def runnable_under(workload, plans: list[Plan]) -> list[Plan]:
-    """The plans titan-run runs under `workload`'s TP regime (all of them, except under ``sharded``)."""
+    """The plans titan-run runs under `workload`'s TP regime and gradient sync (all of them, except under
+    ``sharded`` and ``every_microbatch``)."""
     if workload.state_layout == "fsdp2" and workload.tp_activations == "sharded":
-        return [p for p in plans if not tp_shards_unrunnable(p)]
-    return plans
+        plans = [p for p in plans if not tp_shards_unrunnable(p)]
+    return [p for p in plans if not grad_sync_unrunnable(p, workload.pp_grad_sync)]
 
 
 def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
@@ -203,11 +237,23 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
     is not the first variant."""
     variants, rule = workload_variants(workload, plans)
     # the question's own workload on every plan (a what-if may be another framework's); an added variant on
-    # the plans titan-run runs it on
-    pairs = [(w, plans if j == 0 else runnable_under(w, plans)) for j, w in enumerate(variants)]
-    pairs = [(w, ps) for w, ps in pairs if ps]
+    # the plans titan-run runs it on.  A sync per micro-batch only on the plans that do not fit with the question's
+    # sync (and the same TP regime): it is taken for the memory it saves, as the search takes it
+    # (`planner.rank.plan_candidates`), so a plan that fits keeps the default sync
+    fitted: dict[str, set[int]] = {}
+    pairs, runs = [], []
+    for j, w in enumerate(variants):
+        ps = plans if j == 0 else runnable_under(w, plans)
+        if w.pp_grad_sync != workload.pp_grad_sync:
+            ps = [p for p in ps if id(p) not in fitted.get(w.tp_activations, set())]
+        if not ps:
+            continue
+        r = estimate_choosing_ac(ps, model, hw, w, coeffs)
+        if w.pp_grad_sync == workload.pp_grad_sync:
+            fitted[w.tp_activations] = {id(p) for p, f in zip(ps, r[1].fits) if f}
+        pairs.append((w, ps))
+        runs.append(r)
     variants = [w for w, _ in pairs]
-    runs = [estimate_choosing_ac(ps, model, hw, w, coeffs) for w, ps in pairs]
     fits = [bool(r[1].fits[r[2]]) for r in runs]
     step = [float(r[1].step_time_s[r[2]]) for r in runs]
     peak = [float(r[1].peak_memory_bytes[r[2]]) for r in runs]
@@ -222,12 +268,15 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
                      "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
         else:
             why = "the fastest setting that fits"
-            each = "; ".join(f"{'gathered' if w.tp_activations == 'auto' else w.tp_activations}: "
+            keys = [k for k, _, _ in _CHOSEN_KEYS if len({getattr(w, k) for w in variants}) > 1]
+            each = "; ".join(f"{_variant_label(workload, w, keys)}: "
                              f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, "
                              f"peak {pk / GIB:.1f} GiB"
                              for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
-            notes = [f"tp-activations not given: 'sharded' (each TP block keeps its sequence shard and all-gathers it "
-                     f"again in backward), {why} ({each})", *notes]
+            chosen = "; ".join(f"{flag} not given: '{getattr(variants[k], key)}' ({what})"
+                               for key, flag, what in _CHOSEN_KEYS
+                               if getattr(variants[k], key) != getattr(workload, key))
+            notes = [f"{chosen}, {why} ({each})", *notes]
     # the first variant is the question's own (grad_dtype auto is held as fp32): its keys stay as asked
     return (variants[k] if k > 0 else workload), plan, est, row, ac_note, notes
 

@@ -26,7 +26,7 @@ PLAN = Plan(tp=8, pp=16, dp_shard=128, microbatch=1, n_microbatches=16, schedule
             stages_per_rank=2, ac="none", runnable=False)
 ESTIMATE = ["estimate", "--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
             "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B", "--ac", "none",
-            "--json"]
+            "--pp-grad-sync", "last_microbatch", "--json"]
 
 
 def _activations(**kw) -> float:

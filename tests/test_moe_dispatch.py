@@ -127,16 +127,20 @@ PP_FSDP2 = {"flags": ("--state-layout", "fsdp2", "--pp", "2", "--ep", "8", "--sc
                       "--stages-per-rank", "2"),
             "plan": {"dp_shard": 8, "pp": 2, "ep": 8, "schedule": "Interleaved1F1B", "stages_per_rank": 2},
             "workload": {"state_layout": "fsdp2"}}
+# ... with the gradient sync stated, so that the estimate chooses none of the keys (an unstated sync is taken as
+# every_microbatch where only that fits: tests/test_planner_cli.py)
+PP_FSDP2_LAST = {"flags": (*PP_FSDP2["flags"], "--pp-grad-sync", "last_microbatch"), "plan": PP_FSDP2["plan"],
+                 "workload": {"state_layout": "fsdp2", "pp_grad_sync": "last_microbatch"}}
 
 
 @pytest.mark.parametrize("key, value, default, term, lower, bad_flag, allowed, extra", [
     ("ep_a2a_overlap", "combined_1f1b", "none", ("time_s", "ep_comm"), True, "a2a", "combined_1f1b", {}),
     ("moe_weighting", "combine", "auto", ("memory_gib", "activations"), False, "probs", "activation", {}),
     ("ep_dispatch", "per_node", "auto", ("time_s", "ep_comm"), True, "deepep", "per_node", {}),
-    ("pp_sent_tensors", "freed", "auto", ("memory_gib", "activations"), True, "free", "freed", PP_FSDP2),
+    ("pp_sent_tensors", "freed", "auto", ("memory_gib", "activations"), True, "free", "freed", PP_FSDP2_LAST),
     ("pp_recv_buffers", "persistent", "auto", ("memory_gib", "activations"), False, "keep", "persistent",
-     PP_FSDP2),
-    ("pp_grad_sync", "every_microbatch", "last_microbatch", ("memory_gib", "grads"), True, "every",
+     PP_FSDP2_LAST),
+    ("pp_grad_sync", "every_microbatch", "auto", ("memory_gib", "grads"), True, "every",
      "every_microbatch", PP_FSDP2),
 ])
 def test_moe_key_flag_plan_file_json_echo_and_bad_values(tmp_path, key, value, default, term, lower, bad_flag,

@@ -295,13 +295,36 @@ def test_rank_by_p90_ranks_and_judges_memory_by_the_conservative_bounds(capsys):
 
 LLAMA3_405B_T4 = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
                   "--global-batch", "2048", "--tp", "8", "--pp", "16"]     # Llama 3 paper, Table 4
+# the same with the gradient sync stated (torch's pipelining: after the last micro-batch), so that the knobs below
+# are the only ones the estimate chooses
+LLAMA3_405B_T4_LAST = [*LLAMA3_405B_T4, "--pp-grad-sync", "last_microbatch"]
+
+
+def test_estimate_takes_a_sync_per_micro_batch_where_only_it_fits(capsys):
+    """The Llama 3 layout that trained without recompute (TP 8 x PP 16 x FSDP 128, seq 8K; Table 4): with the TP
+    activations and the pipeline's gradient sync left to the estimate, it keeps the sequence shards and
+    reduce-scatters every micro-batch (titan-run runs both), which fits where the defaults need twice the memory,
+    and says so in one note naming both keys and every variant."""
+    chosen = _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", "none")
+    assert chosen["predicted"]["headroom_gib"] >= 0 and chosen["titan_run_can_run"]
+    assert chosen["workload"]["pp_grad_sync"] == "every_microbatch" and chosen["workload"]["tp_activations"] == "sharded"
+    stated = _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", "none", "--pp-grad-sync", "every_microbatch",
+                            "--tp-activations", "sharded", "--no-reshard")
+    assert chosen["predicted"] == stated["predicted"]
+    default = _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", "none", "--tp-activations", "gathered")
+    assert default["predicted"]["headroom_gib"] < 0
+    note = chosen["knob_notes"][0]
+    assert note.startswith("tp-activations not given: 'sharded'") and "pp-grad-sync not given: 'every_microbatch'" in note
+    assert note.count("; ") >= 4 and "gathered, last_microbatch: does not fit" in note
+    # stated, the sync is not chosen: the search's rule for a key the question gives
+    assert _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", "none")["workload"]["pp_grad_sync"] == "last_microbatch"
 
 
 def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
     """A layout that trained (405B, TP 8 x PP 16 on 16,384 GPUs) is not judged by its no-recompute peak:
     without --ac the estimate takes the setting the search would, and says so with every peak."""
-    chosen = _estimate_json(capsys, *LLAMA3_405B_T4)
-    by_ac = {ac: _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", ac) for ac in ("none", "selective", "full")}
+    chosen = _estimate_json(capsys, *LLAMA3_405B_T4_LAST)
+    by_ac = {ac: _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", ac) for ac in ("none", "selective", "full")}
     fitting = {ac: d for ac, d in by_ac.items() if d["predicted"]["headroom_gib"] >= 0}
     assert "none" not in fitting and fitting, "the test needs a layout that fits only with recompute"
     fastest = min(fitting, key=lambda ac: fitting[ac]["predicted"]["step_time_s"])
@@ -317,7 +340,7 @@ def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
     assert small["plan"]["ac"] == "none" and small["predicted"] == _estimate_json(
         capsys, *BASE_8B, "--tp", "2", "--ac", "none")["predicted"]
     # and the text report prints the note
-    assert main(["estimate", *LLAMA3_405B_T4]) == 0
+    assert main(["estimate", *LLAMA3_405B_T4_LAST]) == 0
     assert f"note: ac not given: '{fastest}'" in capsys.readouterr().out
 
 
@@ -325,7 +348,7 @@ def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
     """reshard_after_forward is a knob of the search space: without --reshard / --no-reshard the estimate takes
     the faster setting that fits (each ac's, then the ac as above) and says so; given, or meaningless (no FSDP
     shards, the megatron layout), there is no choice and no note."""
-    args = [*LLAMA3_405B_T4, "--ac", "full"]
+    args = [*LLAMA3_405B_T4_LAST, "--ac", "full"]
     chosen = _estimate_json(capsys, *args)
     both = {r: _estimate_json(capsys, *args, flag) for r, flag in ((True, "--reshard"), (False, "--no-reshard"))}
     fits = {r: d for r, d in both.items() if d["predicted"]["headroom_gib"] >= 0}
@@ -346,7 +369,7 @@ def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
 def test_estimate_interleaved_without_stages_per_rank_takes_the_spaces_best(capsys):
     """--schedule Interleaved1F1B without --stages-per-rank: each value of the search space titan-plan would
     take (dense: 2 and 4) is estimated and the fastest that fits is taken and said; given, no choice."""
-    args = [*LLAMA3_405B_T4, "--ac", "full", "--no-reshard", "--schedule", "Interleaved1F1B"]
+    args = [*LLAMA3_405B_T4_LAST, "--ac", "full", "--no-reshard", "--schedule", "Interleaved1F1B"]
     chosen = _estimate_json(capsys, *args)
     by_v = {v: _estimate_json(capsys, *args, "--stages-per-rank", str(v)) for v in (2, 4)}
     fits = {v: d for v, d in by_v.items() if d["predicted"]["headroom_gib"] >= 0}

@@ -144,14 +144,16 @@ def test_auto_resolution_and_one_line_errors():
     assert _wl().pp_recv_buffers == "auto" and not _wl().pp_recv_persistent and not _wl("megatron").pp_recv_persistent
     assert _wl(pp_recv_buffers="persistent").pp_recv_persistent
     assert get_framework("torchtitan").workload["pp_recv_buffers"] == "persistent"
-    assert _wl().pp_grad_sync == "last_microbatch" and _wl().pp_defers_grad_sync
+    assert _wl().pp_grad_sync == "auto" and _wl().pp_defers_grad_sync and _wl().pp_grad_sync_mode == "last_microbatch"
+    assert _wl(pp_grad_sync="last_microbatch").pp_defers_grad_sync and _wl("megatron").pp_defers_grad_sync
+    assert _wl(pp_grad_sync="every_microbatch").pp_grad_sync_mode == "every_microbatch"
     assert not _wl(pp_grad_sync="every_microbatch").pp_defers_grad_sync
     with pytest.raises(SpecError, match="pp_sent_tensors.*auto, kept, freed; got 'dropped'"):
         _wl(pp_sent_tensors="dropped")
     with pytest.raises(SpecError) as ei:
         _wl("megatron", pp_grad_sync="every_microbatch")
     msg = str(ei.value)
-    assert "\n" not in msg and "'pp_grad_sync' is 'every_microbatch'" in msg and "allowed: last_microbatch" in msg
+    assert "\n" not in msg and "'pp_grad_sync' is 'every_microbatch'" in msg and "allowed: auto, last_microbatch" in msg
 
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
