@@ -90,3 +90,27 @@ def test_the_estimate_predicts_it_as_a_what_if(capsys):
     assert doc["predicted"]["step_time_s"] > 0
     assert main([*q, "--json"]) == 0                       # the default (last micro-batch) runs there
     assert json.loads(capsys.readouterr().out)["titan_run_can_run"] is True
+
+
+def test_an_unstated_sync_is_searched_for_what_only_it_fits():
+    """Left ``auto``, titan-plan searches both syncs (`plan_command.grad_syncs_to_search`): Llama 3 405B on 2,048
+    H100s at 8K, whose fastest layouts do not fit while the gradients accumulate unsharded, takes a reduce-scatter
+    per micro-batch for a pick faster than any that fits the default sync; the other sync's best is reported, and a
+    pick made that way does not fit under the default sync (the regime is searched for the memory it saves)."""
+    from cost_models.coefficients import Coefficients
+    from cost_models.estimate import estimate
+    from search_spaces.table import CandidateTable
+    model, wl = load_model("llama3-405b"), Workload(seq_len=8192, global_batch=512)
+    space = load_space("dense")
+    kw = dict(world_size=2048, pp_splits=("layers", "weighted"), tp_activations=("auto", "sharded"))
+    both = plan_candidates(space, model, H100, wl, grad_syncs=("auto", "every_microbatch"), **kw)
+    default = plan_candidates(space, model, H100, wl, **kw)
+    assert both.workload.pp_grad_sync == "every_microbatch" and default.workload.pp_grad_sync == "auto"
+    assert set(both.sync_best) == {"auto", "every_microbatch"} and default.sync_best == {}
+    pick = both.table.plan(both.best())
+    assert pick.pp > 1 and pick.fsdp_size > 1 and pick.schedule not in V_SCHEDULES
+    assert both.step_time()[both.best()] < default.step_time()[default.best()]
+    assert both.sync_best["auto"] == pytest.approx(float(default.step_time()[default.best()]))
+    under_default = estimate(CandidateTable.from_plans([pick]), model, H100,
+                             dataclasses.replace(both.workload, pp_grad_sync="auto"), Coefficients())
+    assert not under_default.fits[0]
