@@ -50,6 +50,8 @@ def _plan(**kw) -> dict:
 LAYOUTS = [
     ("405B tp8 pp16 V1 16384 (Llama 3 Table 4)", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
      _plan(dp_shard=128, pp=16, tp=8, n_microbatches=16, ac="none"), True),
+    ("405B tp8 pp16 V1 8192 (32 micro-batches)", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
+     _plan(dp_shard=64, pp=16, tp=8, n_microbatches=32, ac="none"), True),
     ("405B tp8 pp16 V2 8192", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
      _plan(dp_shard=64, pp=16, tp=8, n_microbatches=32, schedule="Interleaved1F1B", stages_per_rank=2, ac="none"), False),
     ("405B tp8 pp16 V4 16384", "llama3-405b", "h100-sxm", dict(seq_len=8192, global_batch=2048),
