@@ -114,3 +114,23 @@ def test_an_unstated_sync_is_searched_for_what_only_it_fits():
     under_default = estimate(CandidateTable.from_plans([pick]), model, H100,
                              dataclasses.replace(both.workload, pp_grad_sync="auto"), Coefficients())
     assert not under_default.fits[0]
+
+
+def test_the_report_says_which_sync_the_search_took(tmp_path, capsys):
+    """The same question through the command line: the text report says why (each sync's best step), `--json` has
+    them under ``pp_grad_sync``, and the written plan carries the sync titan-run is to run, which it takes."""
+    q = ["--model", "llama3-405b", "--gpus", "2048", "--hardware", "h100-sxm", "--seq-len", "8192",
+         "--global-batch", "512"]
+    assert main([*q, "--no-write", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["pp_grad_sync"]["chosen"] == "every_microbatch"
+    best = doc["pp_grad_sync"]["best_step_s"]
+    assert best["every_microbatch"] < best["auto"]
+    out = tmp_path / "plan.yaml"
+    assert main([*q, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline gradient sync: every_microbatch (" in text and f"best step {best['auto']:.4g} s" in text
+    written = yaml.safe_load(out.read_text())
+    plan, wl = Plan(**written["plan"]), Workload(**written["workload"])
+    assert wl.pp_grad_sync == "every_microbatch" and written["inputs"]["workload"]["pp_grad_sync"] == "auto"
+    _check_workload_runs(wl, plan)
