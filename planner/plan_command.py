@@ -160,10 +160,15 @@ def split_line(res) -> str:
             f"(set --pp-split to fix one)")
 
 
+def _best_steps(res, best: dict) -> dict[str, str]:
+    """Each searched value's best step (`best`: a `PlanningResult` ``*_best`` dict) as the report shows it."""
+    unit = "p90 step" if res.rank_by == "p90" else "step"
+    return {k: "nothing fits" if v is None else f"best {unit} {v:.4g} s" for k, v in best.items()}
+
+
 def tp_line(res) -> str:
     """Why the chosen plan keeps TP sequence shards: each regime's best step (`PlanningResult.tp_best`)."""
-    unit = "p90 step" if res.rank_by == "p90" else "step"
-    show = {k: "nothing fits" if v is None else f"best {unit} {v:.4g} s" for k, v in res.tp_best.items()}
+    show = _best_steps(res, res.tp_best)
     return (f"TP activations: sharded (each TP block keeps its sequence shard and all-gathers it again in "
             f"backward; spmd_types, eager): {show['sharded']}; gathered: {show['auto']}  "
             f"(set --tp-activations to fix one)")
@@ -171,8 +176,7 @@ def tp_line(res) -> str:
 
 def sync_line(res) -> str:
     """Why the chosen plan reduce-scatters every micro-batch: each regime's best step (`PlanningResult.sync_best`)."""
-    unit = "p90 step" if res.rank_by == "p90" else "step"
-    show = {k: "nothing fits" if v is None else f"best {unit} {v:.4g} s" for k, v in res.sync_best.items()}
+    show = _best_steps(res, res.sync_best)
     return (f"pipeline gradient sync: every_microbatch (each micro-batch's gradients reduce-scattered into the "
             f"shard, none kept unsharded): {show['every_microbatch']}; last_microbatch: {show['auto']}  "
             f"(set --pp-grad-sync to fix one)")
