@@ -103,7 +103,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     shards lets a faster layout fit.  `grad_syncs` (workload ``pp_grad_sync`` values, e.g. ``("auto",
     "every_microbatch")``) likewise, only when there are candidates with ``pp > 1``: under ``every_microbatch`` the
     split-backward pipelines are rejected (`plan.grad_sync_unrunnable`), and the regime wins only where it lets a
-    faster layout fit (it is estimated on the candidates that do not fit under the default regimes only).  ``split_best`` / ``tp_best`` / ``sync_best`` give each value's best step (over the others).
+    faster layout fit (it is estimated on the candidates that do not fit under the default regimes only).
+    ``split_best`` / ``tp_best`` / ``sync_best`` give each value's best step (over the others).
     """
     if rank_by not in RANK_BY:
         raise PlanningError(f"rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")

@@ -162,16 +162,17 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
         return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")], "first_fit"
     if workload.state_layout != "fsdp2" or not plans:
         return [workload], "first_fit"
-    choices = [[{}]]
+    choices = []
     if workload.tp_activations == "auto" and any(p.tp > 1 for p in plans):
         choices.append([{}, {"tp_activations": "sharded"}])
     if workload.pp_grad_sync == "auto" and any(p.pp > 1 and p.fsdp_size > 1 and not p.is_v_schedule for p in plans):
         choices.append([{}, {"pp_grad_sync": "every_microbatch"}])
-    if len(choices) == 1:
+    if not choices:
         return [workload], "first_fit"
     variants = [dataclasses.replace(workload, **{k: v for c in combo for k, v in c.items()})
-                for combo in itertools.product(*choices[1:][::-1])]
-    return [w for _, w in sorted(enumerate(variants), key=lambda kw: (_changed(workload, kw[1]), kw[0]))], "fastest"
+                for combo in itertools.product(*choices)]
+    # fewest changes first (a sync per micro-batch after its TP regime's default sync, which it is compared with)
+    return sorted(variants, key=lambda w: _changed(workload, w)), "fastest"
 
 
 # the workload keys an estimate may choose for the question (`workload_variants`): (key, flag, what the chosen
@@ -187,7 +188,7 @@ def _changed(base, w) -> int:
     return sum(getattr(w, k) != getattr(base, k) for k, _, _ in _CHOSEN_KEYS)
 
 
-def _variant_label(base, w, keys: list[str]) -> str:
+def _variant_label(w, keys: list[str]) -> str:
     """`w`'s values of `keys` (those the variants differ in), ``auto`` shown as what it runs."""
     shown = {"tp_activations": lambda v: "gathered" if v == "auto" else v,
              "pp_grad_sync": lambda v: "last_microbatch" if v == "auto" else v}
@@ -269,7 +270,7 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
         else:
             why = "the fastest setting that fits"
             keys = [k for k, _, _ in _CHOSEN_KEYS if len({getattr(w, k) for w in variants}) > 1]
-            each = "; ".join(f"{_variant_label(workload, w, keys)}: "
+            each = "; ".join(f"{_variant_label(w, keys)}: "
                              f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, "
                              f"peak {pk / GIB:.1f} GiB"
                              for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
