@@ -260,6 +260,14 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
     peak = [float(r[1].peak_memory_bytes[r[2]]) for r in runs]
     k = pick_variant(rule, fits, step)
     plan, est, row, ac_note, notes = runs[k]
+    keys = [key for key, _, _ in _CHOSEN_KEYS if len({getattr(w, key) for w in variants}) > 1]
+    if not any(fits) and keys:  # the defaults' figures, but say how close titan-run's own settings come
+        flags = ", ".join(flag for key, flag, _ in _CHOSEN_KEYS if key in keys)
+        each = "; ".join(f"{_variant_label(w, keys)}: {r[0].knobs_str()}, step {st:.4g} s, peak {pk / GIB:.1f} GiB"
+                         for w, r, st, pk in zip(variants, runs, step, peak))
+        best = min(range(len(variants)), key=lambda j: peak[j])
+        notes = [f"{flags} not given: no setting fits, the figures are the defaults'; the smallest peak is "
+                 f"{_variant_label(variants[best], keys)}'s ({each})", *notes]
     if k > 0:                   # the default is kept: nothing to say
         if variants[k].grad_dtype != workload.grad_dtype:
             why = "fp32 main gradients do not fit, bf16 ones do"
@@ -269,7 +277,6 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
                      "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
         else:
             why = "the fastest setting that fits"
-            keys = [k for k, _, _ in _CHOSEN_KEYS if len({getattr(w, k) for w in variants}) > 1]
             each = "; ".join(f"{_variant_label(w, keys)}: "
                              f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, "
                              f"peak {pk / GIB:.1f} GiB"

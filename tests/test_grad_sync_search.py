@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 
 import pytest
 import yaml
@@ -134,3 +135,25 @@ def test_the_report_says_which_sync_the_search_took(tmp_path, capsys):
     plan, wl = Plan(**written["plan"]), Workload(**written["workload"])
     assert wl.pp_grad_sync == "every_microbatch" and written["inputs"]["workload"]["pp_grad_sync"] == "auto"
     _check_workload_runs(wl, plan)
+
+
+def test_when_no_setting_fits_the_estimate_says_how_close_each_comes(capsys):
+    """The Llama 3 paper's 8,192-GPU layout asked with the degrees only, under Interleaved1F1B: none of titan-run's
+    settings of the unstated TP-activation and gradient-sync keys fits, so the figures stay the defaults' and one
+    note gives each setting's peak and names the smallest (not the defaults' 187 GiB alone)."""
+    args = ["estimate", "--model", "llama3-405b", "--hardware", "h100-sxm", "--gpus", "8192", "--seq-len", "8192",
+            "--global-batch", "2048", "--tp", "8", "--pp", "16", "--dp-shard", "64", "--ac", "none",
+            "--schedule", "Interleaved1F1B", "--stages-per-rank", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if line.startswith("note: tp-activations, pp-grad-sync not given"))
+    assert "no setting fits, the figures are the defaults'" in note
+    peaks = {label: float(p) for label, p in re.findall(r"(?:; |\()(\w+, \w+): [^;]*?peak ([0-9.]+) GiB", note)}
+    assert set(peaks) == {f"{a}, {b}" for a in ("gathered", "sharded") for b in ("last_microbatch", "every_microbatch")}
+    smallest = min(peaks, key=peaks.get)
+    assert f"the smallest peak is {smallest}'s" in note
+    assert peaks["gathered, last_microbatch"] > peaks[smallest]
+    assert "DOES NOT FIT" in out
+    # the figures printed are the defaults' (gathered, last_microbatch)
+    shown = float(re.search(r"peak\s+([0-9.]+)\s+\(usable", out).group(1))
+    assert abs(shown - peaks["gathered, last_microbatch"]) < 0.1
