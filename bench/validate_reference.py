@@ -115,7 +115,9 @@ framework):
   train configs: `fused_rmsnorm`, a Triton kernel keeping its input, or `rmsnorm`, eager); unstated,
   fused exactly when the row compiles (auto).
 * `not_counted: {metric: <reason>}` shows a measured metric without scoring it (the row's fit verdict still
-  counts), e.g. a training-average throughput under a schedule the plan stands in for.
+  counts), e.g. a training-average throughput under a schedule the plan stands in for.  So is the throughput of a
+  release and model whose framework maintainers document a regression (`DOCUMENTED_REGRESSIONS`, with the
+  citation): Megatron-Bridge 25.11's Qwen3 30B-A3B, "2X slower than 25.09" (Megatron-Bridge issue #1998).
 * a row's `parallel:` may state `recompute_modules` (Megatron-core's names), `moment_dtype`, `master_dtype` and
   `float8_cache` (Workload keys): DeepSeek-V3's report states its recomputed modules, bf16 AdamW moments and fp8
   caching; the DGX Cloud Nemotron-4 340B benchmark's config a bf16 optimizer state (moments and parameter copy).
@@ -493,6 +495,9 @@ def build_case(row) -> Case:
     not_counted = {}
     # a metric the row shows but the source does not let us score (the row's reason), its fit verdict still counted
     not_counted.update({str(k): str(why) for k, why in (row.get("not_counted") or {}).items()})
+    regression = documented_regression(row)
+    if regression and "tokens_per_s_per_gpu" in measured:
+        not_counted.setdefault("tokens_per_s_per_gpu", regression)
     trained = bool(row.get("trained", True))
     if korthikanti and ac == "none" and "exceed 80 GB" in str(row["source"].get("caveat", "")):
         trained = False   # the source: the no-recompute bars exceed 80 GB, so they are analytic, not a run
@@ -501,6 +506,26 @@ def build_case(row) -> Case:
         raise ValueError("a row that ran out of memory has no measured figures")
     return Case(rid, model, hw, workload, plan, measured, not_counted, trained and not oom, oom,
                 smi_ranks, publication_of(row))
+
+
+# Throughput the framework's own maintainers document as a regression of one release for one model: the figure
+# measures a defect that the next release fixed, not the layout, so it is shown and not scored (its memory and
+# fit verdict still count).  Keyed by (the release in the row's source section, the model name as the table
+# writes it); each entry cites the maintainers' statement.
+DOCUMENTED_REGRESSIONS = {
+    ("25.11", "Qwen3 30B-A3B"): (
+        "NVIDIA-NeMo/Megatron-Bridge issue #1998 (2026-01-20), '[Regression] Low QWEN3 30B B200 and H100 performance "
+        "with dropless': 'the perf in 25.11 is 2X slower than 25.09. We need to fix this in 26.02' (the 26.02.01 "
+        "release measures 9,058 tokens/s/GPU on the same 16 H100s with PP 2 x EP 8, this row 5,275)"),
+}
+
+
+def documented_regression(row) -> str | None:
+    """The cited reason when `row` is a Megatron-Bridge figure of a release and model in `DOCUMENTED_REGRESSIONS`."""
+    section = str((row.get("source") or {}).get("section") or "")
+    release = re.match(r"\s*([0-9]{2}\.[0-9]{2}(?:\.[0-9]+)?)\b", section)
+    name = str((row.get("model") or {}).get("name") or "")
+    return DOCUMENTED_REGRESSIONS.get((release.group(1), name)) if release else None
 
 
 def publication_of(row) -> str:

@@ -187,3 +187,24 @@ def test_oom_check_scores_the_layouts_that_ran_out_of_memory():
     bad["measured"] = {"step_time_s": 100.0}
     with pytest.raises(ValueError, match="ran out of memory has no measured figures"):
         vr.build_case(bad)
+
+
+def test_a_documented_release_regression_is_shown_not_scored():
+    """Megatron-Bridge 25.11's Qwen3 30B-A3B throughput is the release regression its maintainers document
+    (issue #1998, "2X slower than 25.09"): the row keeps its measured figure and fit verdict, its throughput is
+    shown with the citation and not scored; the same model's rows of other releases are scored."""
+    def row(rid, section):
+        return {"id": rid, "source": {"repo": "https://github.com/NVIDIA-NeMo/Megatron-Bridge",
+                                      "section": section},
+                "model": {"name": "Qwen3 30B-A3B"}}
+    why = vr.documented_regression(row("a", "25.11 NeMo container, DGX-H100"))
+    assert why and "#1998" in why and "2X slower than 25.09" in why
+    assert vr.documented_regression(row("b", "26.06 NeMo container, DGX-H100")) is None
+    assert vr.documented_regression({**row("c", "25.11 NeMo container"), "model": {"name": "Qwen3 235B-A22B"}}) is None
+    if not (REF / "published_runs.yaml").is_file():
+        return
+    rows = {r["id"]: r for r in vr.load_rows()}
+    case = vr.build_case(rows["mbridge_25.11_Qwen3_30B-A3B_16gpu"])
+    assert "tokens_per_s_per_gpu" in case.measured and case.not_counted["tokens_per_s_per_gpu"] == why
+    assert case.trained
+    assert "tokens_per_s_per_gpu" not in vr.build_case(rows["mbridge_26.06_Qwen3_30B-A3B_16gpu"]).not_counted
