@@ -66,7 +66,7 @@ def _saved_bytes(workload, e: float, f8_fraction: float, float8: bool) -> _Saved
 
 
 def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
-                           f8_fraction: float = 1.0, *, float8: bool = False) -> np.ndarray:
+                           f8_fraction: float = 1.0, *, float8: bool = False, block_ac: str | None = None) -> np.ndarray:
     """Bytes one block keeps for backward, per token, split into the terms above.
 
     Source: Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and Table 2, per layer
@@ -105,7 +105,10 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
     # no recomputation, the attention-core policy (which only removes the core's tensors) or modules
     core_dropped = ac == "selective" and (workload.selective_ac == "attention" or workload.recomputes("core_attn"))
     saved = _saved_bytes(workload, 4.0 if workload.dtype == "fp32" else 2.0, f8_fraction, float8)
-    t = _stored_terms(model, workload, moe, core_dropped, compiled, saved)
+    # `block_ac`: the AC mode of the block whose forward this is (a checkpointed block's recompute keeps what
+    # ac none keeps, with titan-run's rebuilt FFN input off: `Workload.ffn_rebuilds_product`)
+    rebuild = workload.ffn_rebuilds_product(ac=block_ac or ac, compiled=compiled, float8=float8)
+    t = _stored_terms(model, workload, moe, core_dropped, compiled, saved, rebuild)
     if ac == "selective" and workload.selective_ac == "modules":
         t = t - _module_drops(model, workload, moe, compiled, saved)
     return t
@@ -138,7 +141,7 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
 
 
 def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool,
-                  saved: _Saved) -> np.ndarray:
+                  saved: _Saved, rebuild: bool | None = None) -> np.ndarray:
     """`layer_activation_terms` without recomputation: norms, dropout masks, the attention's
     Q/K/V and core (unless `core_dropped`, the 'attention' policy) and the FFN's tensors."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
@@ -171,7 +174,7 @@ def _stored_terms(model, workload, moe: bool, core_dropped: bool, compiled: bool
         t[SHARD] += 4.0 * model.n_heads + saved.o_copy * d_o
     elif not fused and not core_dropped:
         t[SCORE] = model.n_heads * (e + drop * (1.0 + e))  # softmax out (+ dropout mask and output)
-    t[SHARD] += _ffn_terms(model, workload, moe, compiled, e, saved).sum()
+    t[SHARD] += _ffn_terms(model, workload, moe, compiled, e, saved, rebuild).sum()
     return t
 
 
@@ -191,7 +194,8 @@ def _norm_saved_bytes(model, workload, compiled: bool, e: float, h: int) -> floa
     return 2 * e * h                                  # eager fp32: input and normalized output
 
 
-def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, saved: _Saved) -> np.ndarray:
+def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, saved: _Saved,
+               rebuild: bool | None = None) -> np.ndarray:
     """Bytes per token (tp-sharded) the FFN keeps: [dense FFN or routed experts' hiddens, the routed
     experts' dispatched inputs and outputs, shared experts, routed experts' activation outputs].
     The routed experts' SwiGLU inputs cost ``saved.moe_swiglu_in`` per element (fp8 under DeepSeek-V3's
@@ -199,7 +203,8 @@ def _ffn_terms(model, workload, moe: bool, compiled: bool, e: float, saved: _Sav
     not name, keep the compute dtype)."""
     lin = saved.lin
     fused_mlp = workload.swiglu_fused                 # a fused SwiGLU kernel: its output is the kept fc2 input
-    rebuild = workload.swiglu_recomputes_product      # ... unless the whole FFN is one function (fused_ffn)
+    if rebuild is None:                               # ... unless the whole FFN is one function (fused_ffn)
+        rebuild = workload.swiglu_recomputes_product  # (or titan-run's rebuilt input: `ffn_rebuilds_product`)
     if not moe:
         return np.array([sum(_saved_ffn_parts(model, model.ffn_hidden, e, lin, compiled, fused_mlp,
                                               rebuilds_product=rebuild)), 0.0, 0.0, 0.0])
@@ -251,8 +256,8 @@ def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
     output, the activation's output = the fc2 input); `lin`: bytes of a saved linear input, `gate_up`: of
     a SwiGLU input element (default `e`); `rebuilds_product`: the whole FFN is one function that keeps gate
     and up and rebuilds the product in its backward (``swiglu_impl: fused_ffn``)."""
-    if model.mlp != "swiglu":
-        return e * width, lin * width                 # GeLU input, its output (= fc2 input)
+    if model.mlp != "swiglu":                         # GeLU input, its output (= fc2 input) unless rebuilt
+        return e * width, (0.0 if rebuilds_product else lin * width)
     g = e if gate_up is None else gate_up
     if rebuilds_product:                              # gate and up; the product rebuilt for fc2's weight grad
         return 2 * g * width, 0.0
@@ -263,14 +268,19 @@ def _saved_ffn_parts(model, width: float, e: float, lin: float, compiled: bool,
     return (2 * g + e) * width, lin * width           # eager: gate, up, silu(gate); the product
 
 
+# `_ac_table`'s last row: what a checkpointed block's recomputed forward keeps (ac none's tensors, recomputed
+# inside the checkpoint, where titan-run does not rebuild the FFN's down-projection input)
+RECOMPUTED = len(AC_MODES)
+
+
 def _ac_table(model, workload, moe: bool, f8_fraction: float) -> np.ndarray:
-    """[ac code, compiled, float8] -> the five terms, bytes per token."""
-    out = np.zeros((len(AC_MODES), 2, 2, N_TERMS))
-    for a, ac in enumerate(AC_MODES):
+    """[ac code (or `RECOMPUTED`), compiled, float8] -> the five terms, bytes per token."""
+    out = np.zeros((len(AC_MODES) + 1, 2, 2, N_TERMS))
+    for a, ac in enumerate((*AC_MODES, "none")):
         for c in (0, 1):
             for f in (0, 1):
                 out[a, c, f] = layer_activation_terms(model, workload, moe, ac, bool(c), f8_fraction if f else 1.0,
-                                                      float8=bool(f))
+                                                      float8=bool(f), block_ac="full" if a == RECOMPUTED else None)
     return out
 
 
@@ -292,7 +302,8 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     terms = _ac_table(model, workload, moe, coeffs.float8_saved_input_fraction)
     c, f = table.compile.astype(int), table.float8.astype(int)
     kept = _bytes(terms[table.ac, c, f], table, workload)
-    none = _bytes(terms[AC_MODES.index("none"), c, f], table, workload)
+    none_code = AC_MODES.index("none")
+    none = _bytes(terms[np.where(table.ac == none_code, none_code, RECOMPUTED), c, f], table, workload)
     e = 4.0 if workload.dtype == "fp32" else 2.0
     sp = table.tp if workload.sequence_parallel else 1
     grads = 2.0 * e * model.dim * table.microbatch * workload.seq_len / table.cp / sp

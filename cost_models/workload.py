@@ -182,7 +182,10 @@ class Workload:
     xformers' ``SwiGLU`` op, whose ``_SwiGLUFusedFunc`` saves the input, gate and up and rebuilds the product
     in ``silu_bw_fused``; LLaMA 1's hand-written backward, arXiv:2302.13971 Sec. 2.4); ``auto`` is ``fused``:
     Megatron's kernel for the megatron layout, titan-run's own autograd Function for fsdp2
-    (executor/models/layers.py ``swiglu``; TorchTitan runs the plain code: its regime sets ``eager``).
+    (executor/models/layers.py ``swiglu``; TorchTitan runs the plain code: its regime sets ``eager``), and for
+    fsdp2 blocks neither checkpointed nor compiled what ``fused_ffn`` keeps: titan-run's down projection saves
+    its input as a recipe rebuilt from gate and up in backward (``rebuilt_input``; a GELU FFN's output from the
+    GELU input likewise), `ffn_rebuilds_product`.
     ``gqa_kv`` is how the attention kernel takes grouped-query K and V (models with fewer kv heads than
     heads): ``expanded`` (TorchTitan repeats K and V to n_heads before SDPA, ``repeat_kv``, which saves
     the expanded copies) or ``native`` (the kernel reads the kv heads as they are and keeps K and V at
@@ -410,6 +413,17 @@ class Workload:
         """True when the SwiGLU product ``silu(gate) * up`` is not kept but rebuilt in the backward
         (``swiglu_impl: fused_ffn``; a compiled eager SwiGLU's partitioner does the same, `_saved_ffn_parts`)."""
         return self.swiglu_impl == "fused_ffn"
+
+    def ffn_rebuilds_product(self, *, ac: str, compiled: bool, float8: bool) -> bool:
+        """Whether a block's FFN keeps its down projection's input (the SwiGLU product, a GELU's output) or
+        rebuilds it in backward from what the activation keeps: ``fused_ffn``, and ``auto`` where titan-run does
+        (the fsdp2 layout, blocks neither checkpointed nor compiled: executor/models/layers.py
+        ``rebuilt_input``, turned on by executor/parallel/parallelize.py ``set_rebuild_product``).  Not counted
+        under float8, whose linear may keep a copy of its own instead."""
+        if self.swiglu_impl == "fused_ffn":
+            return True
+        return (self.swiglu_impl == "auto" and self.state_layout == "fsdp2" and ac == "none" and not compiled
+                and not float8)
 
     @property
     def gqa_kv_expanded(self) -> bool:

@@ -3,8 +3,9 @@
 One llama3-debug block (fp32, CPU), eager and under ``torch.compile`` as titan-run compiles it (per block),
 run forward under ``torch.autograd.graph.saved_tensors_hooks``: the bytes of the distinct storages saved for
 backward, parameters left out, per token.  The model (`cost_models.activations.layer_activation_terms`, no
-recompute) must give the same within 1%: eager, titan-run's SwiGLU Function keeps gate and up (the down
-projection the product); the compiled block gate, up and the product too -- AOTAutograd's min-cut partitioner
+recompute) must give the same within 1%: eager, titan-run's SwiGLU Function keeps gate and up and the down
+projection's input is rebuilt from them (``rebuilt_input``, on as titan-run's parallelize turns it on); the
+compiled block gate, up and the product too -- AOTAutograd's min-cut partitioner
 does not recompute the product, which fc2's weight gradient must materialize in backward.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from cost_models.activations import layer_activation_terms
 from cost_models.specs import load_model
 from cost_models.workload import Workload
 from executor.models.llama import Transformer, rope_cos_sin
+from executor.parallel.parallelize import set_rebuild_product
 
 MICROBATCH, SEQ = 4, 128
 
@@ -43,6 +45,7 @@ def test_saved_activations_match_the_model(compiled):
     spec = load_model("llama3-debug")
     model = Transformer(spec)
     block = model.layers["0"]
+    set_rebuild_product(block, not compiled)   # as titan-run's parallelize: eager blocks without recompute
     cos, sin = rope_cos_sin(torch.arange(SEQ), model.rope_dim, spec.rope_theta, torch.float32, spec)
     x = torch.randn(MICROBATCH, SEQ, spec.dim, requires_grad=True)
     run = torch.compile(block) if compiled else block

@@ -19,6 +19,7 @@ from cost_models.activations import FULL, SCORE, SEQ, SHARD, layer_activation_te
 from cost_models.specs import load_model
 from cost_models.workload import Workload
 from executor.models.layers import RMSNorm, rope_cos_sin
+from executor.parallel.parallelize import set_rebuild_product
 from executor.models.llama import TransformerBlock
 from tests.distributed.harness import in_fresh_process
 
@@ -58,6 +59,7 @@ def test_a_model_forward_is_unchanged_and_its_gradients_agree_to_rounding():
     spec = load_model("llama3-debug")
     torch.manual_seed(0)
     block = TransformerBlock(0, spec)
+    set_rebuild_product(block, True)   # as titan-run's parallelize: eager, no recompute
     composite = copy.deepcopy(block)
     for m in composite.modules():
         if isinstance(m, RMSNorm):
@@ -125,6 +127,7 @@ def test_a_block_keeps_what_the_cost_model_counts(dtype):
     b, s = 2, 64
     torch.manual_seed(0)
     block = TransformerBlock(0, spec).to(dt)
+    set_rebuild_product(block, True)   # as titan-run's parallelize: eager, no recompute
     x = torch.randn(b, s, spec.dim, dtype=dt, requires_grad=True)
     h = x * 1.0                                    # the previous block's output
     cos, sin = rope_cos_sin(torch.arange(s), spec.head_dim, spec.rope_theta, dt)

@@ -19,6 +19,7 @@ from cost_models.activations import FULL, SCORE, SEQ, SHARD, layer_activation_te
 from cost_models.specs import load_model
 from cost_models.workload import Workload
 from executor.models.layers import CoreAttention, rope_cos_sin
+from executor.parallel.parallelize import set_rebuild_product
 from executor.models.llama import Transformer, TransformerBlock
 from executor.parallel.ring_attention import make_kernel
 
@@ -38,6 +39,7 @@ def _measure(dtype: torch.dtype, sdpa: nn.Module, b: int = 2, s: int = 64):
     """(unique saved bytes of one block, {shape: bytes} of what its SDPA node keeps of K and V)."""
     torch.manual_seed(0)
     block = TransformerBlock(0, SPEC).to(dtype)
+    set_rebuild_product(block, True)   # as titan-run's parallelize: eager, no recompute
     block.attention.sdpa = sdpa
     x = torch.randn(b, s, SPEC.dim, dtype=dtype, requires_grad=True)
     h = x * 1.0                                    # the previous block's output

@@ -123,32 +123,40 @@ def _cpu_debug(*plans, **wl):
 
 def test_block_activations_match_saved_tensors_of_the_executor_model():
     """llama3-debug, fp32 eager, mb 8 x 256 tokens: torch.autograd.graph.saved_tensors_hooks on
-    executor/models/llama.py count 32 MiB + the 64 KiB LSE + the two norms' 8 KiB rstd per block: the
+    executor/models/llama.py count 26 MiB + the 64 KiB LSE + the two norms' 8 KiB rstd per block: the
     GQA K and V saved at n_kv_heads width (SDPA with enable_gqa; tests/test_gqa_native.py measures it),
     no extra copy of the attention output, each RMSNorm its input and rstd only
-    (tests/test_executor_norm.py measures it to the byte), the SwiGLU Function gate and up only
-    (tests/test_compiled_saved_activations.py measures the block)."""
+    (tests/test_executor_norm.py measures it to the byte), the SwiGLU Function gate and up only and the down
+    projection's input rebuilt from them (``rebuilt_input``, on where titan-run's blocks are neither
+    checkpointed nor compiled; tests/test_compiled_saved_activations.py measures the block)."""
     m = load_model("llama3-debug")
     wl = Workload(seq_len=256, global_batch=8, dtype="fp32")
     kept, _ = per_layer_activation_bytes(table(Plan(microbatch=8)), m, wl, Coefficients(), moe=False)
-    assert kept[0] == pytest.approx(32 * 2 ** 20 + 8 * 2048 * 4 + 2 * 2048 * 4, rel=1e-12)
+    assert kept[0] == pytest.approx(26 * 2 ** 20 + 8 * 2048 * 4 + 2 * 2048 * 4, rel=1e-12)
 
     def kept_with(**kw):
         w = Workload(seq_len=256, global_batch=8, dtype="fp32", **kw)
         return per_layer_activation_bytes(table(Plan(microbatch=8)), m, w, Coefficients(), moe=False)[0][0]
 
     # GQA K/V expanded to n_heads (workload gqa_kv: TorchTitan's repeat_kv): K and V at n_heads width,
-    # 2 x 1 MiB more (auto is native); the plain code's SwiGLU (swiglu_impl eager: TorchTitan) keeps
-    # silu(gate) too, one [2048 tokens, 768] fp32 tensor = 6 MiB more than the fused one (auto)
-    gqa, swiglu = 2 * 2 ** 20, 2048 * m.ffn_hidden * 4
-    assert kept_with(gqa_kv="native") == kept_with(swiglu_impl="fused") == kept[0]
+    # 2 x 1 MiB more (auto is native); one [2048 tokens, 768] fp32 FFN-width tensor is 6 MiB: the fused
+    # SwiGLU kernel (swiglu_impl fused) keeps the product as the down projection's input, the plain code's
+    # (eager: TorchTitan) silu(gate) too
+    gqa, ffn = 2 * 2 ** 20, 2048 * m.ffn_hidden * 4
+    assert kept_with(gqa_kv="native") == kept_with(swiglu_impl="fused_ffn") == kept[0]
+    assert kept_with(swiglu_impl="fused") - kept[0] == pytest.approx(ffn, rel=1e-12)
     assert kept_with(gqa_kv="expanded") - kept[0] == pytest.approx(gqa, rel=1e-12)
-    assert kept_with(swiglu_impl="eager") - kept[0] == pytest.approx(swiglu, rel=1e-12)
-    # Megatron's kernels keep what titan-run's keep (auto), and with the SwiGLU key stated eager the plain code's
-    assert kept_with(state_layout="megatron") == pytest.approx(kept[0], rel=1e-12)
-    assert kept_with(state_layout="megatron", swiglu_impl="eager") - kept[0] == pytest.approx(swiglu, rel=1e-12)
+    assert kept_with(swiglu_impl="eager") - kept[0] == pytest.approx(2 * ffn, rel=1e-12)
+    # Megatron's fused kernel keeps the product (auto there is fused), and with the key stated eager silu(gate) too
+    assert kept_with(state_layout="megatron") - kept[0] == pytest.approx(ffn, rel=1e-12)
+    assert kept_with(state_layout="megatron", swiglu_impl="eager") - kept[0] == pytest.approx(2 * ffn, rel=1e-12)
     assert kept_with(state_layout="megatron", gqa_kv="expanded", swiglu_impl="eager") == pytest.approx(
-        kept[0] + gqa + swiglu, rel=1e-12)
+        kept[0] + gqa + 2 * ffn, rel=1e-12)
+    # checkpointed or compiled blocks keep the product (the recipe is off there): the full-AC and compiled
+    # tables do not take it
+    compiled, _ = per_layer_activation_bytes(table(Plan(microbatch=8, compile=True)), m, wl, Coefficients(),
+                                             moe=False)
+    assert compiled[0] - kept[0] > ffn - 16 * 2048
 
 
 @pytest.mark.parametrize("loss_impl, kept", [("auto", 4), ("eager", 4 + 4)])

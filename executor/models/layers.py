@@ -3,6 +3,7 @@ the dense feed-forward and the norm.  Plain PyTorch; it imports no other model f
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -129,8 +130,87 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
+class _Rebuilt:
+    """What :func:`rebuilt_input` saves in place of a view of the activation's output: its inputs (which the
+    activation keeps for its own backward anyway), the view's geometry and, for a DTensor wrapping that view
+    (torch's RowwiseParallel input), the DTensor's mesh, placements and global geometry."""
+    __slots__ = ("fn", "inputs", "size", "stride", "offset", "dtensor")
+
+    def __init__(self, fn, inputs, t: torch.Tensor, dtensor=None):
+        self.fn, self.inputs = fn, inputs
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.dtensor = (None if dtensor is None else
+                        (dtensor.device_mesh, dtensor.placements, dtensor.size(), dtensor.stride()))
+
+    def tensor(self) -> torch.Tensor:
+        with torch.no_grad():
+            local = self.fn(*self.inputs).as_strided(self.size, self.stride, self.offset)
+            if self.dtensor is None:
+                return local
+            from torch.distributed.tensor import DTensor
+            mesh, placements, shape, stride = self.dtensor
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` is a view of `b`'s memory: DTensor's view ops hand back local tensors that alias the
+    input's storage without recording it as their ``_base``.  False where storage has no address (fake
+    tensors of the dry run, meta tensors)."""
+    try:
+        return (a.device == b.device and b.numel() > 0
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def rebuilt_input(out: torch.Tensor, fn, *inputs: torch.Tensor):
+    """A context under which autograd saves ``out`` (the output of the elementwise ``fn(*inputs)``, e.g. the
+    SwiGLU product, and any view of it) as a recipe: the down projection run inside it keeps no copy of its
+    input for its weight gradient, which is rebuilt from `inputs` when backward needs it.  `inputs` are
+    what the activation's own backward keeps (gate and up; the GELU input), so the FFN keeps one ffn-width
+    tensor less per token and the price is the elementwise `fn` once more in backward.  The rebuilt tensor is
+    bitwise the forward's (the same ops on the same inputs), so gradients do not change.  Saved tensors
+    that are not `out` or a view of it (the weights, a float8 copy, a DTensor) are kept as they are.  Only
+    where nothing else intercepts saved tensors: not inside activation checkpointing (which would then keep
+    `inputs` alive), not under torch.compile (whose partitioner decides what to keep): the caller decides."""
+    ref = weakref.ref(out)        # (autograd keeps the hooks with what they saved: no strong reference to `out`)
+
+    def pack(t: torch.Tensor):
+        o = ref()
+        if o is None:
+            return t
+        if type(t) is torch.Tensor and (t is o or t._base is o):
+            return _Rebuilt(fn, inputs, t)
+        local = getattr(t, "_local_tensor", None)       # a DTensor over the output (DTensor TP's row-wise input)
+        if type(local) is torch.Tensor and (local is o or local._base is o or _same_storage(local, o)):
+            return _Rebuilt(fn, inputs, local, dtensor=t)
+        return t
+
+    def unpack(obj):
+        return obj.tensor() if isinstance(obj, _Rebuilt) else obj
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h, approximate="tanh")
+
+
+def rebuilds(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module`'s down projection saves its input as a recipe (`rebuilt_input`): the module's
+    ``rebuild_product`` (set by the executor where its blocks are neither checkpointed nor compiled,
+    ``executor/parallel/parallelize.py``), in an eager forward that records a graph, outside the spmd_types
+    checker."""
+    return (getattr(module, "rebuild_product", False) and torch.is_grad_enabled() and x.requires_grad
+            and not torch.compiler.is_compiling() and not is_type_checking())
+
+
 class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or a GELU MLP (w2(gelu(w1 x)))."""
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or a GELU MLP (w2(gelu(w1 x))).  With ``rebuild_product`` the down
+    projection's saved input is rebuilt in backward from what the activation keeps (`rebuilt_input`)."""
 
     def __init__(self, dim: int, hidden: int, kind: str = "swiglu"):
         super().__init__()
@@ -138,11 +218,22 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False) if kind == "swiglu" else None
+        self.rebuild_product = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(swiglu(self.w1(x), self.w3(x)))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+            gate, up = self.w1(x), self.w3(x)
+            h = swiglu(gate, up)
+            if rebuilds(self, h):
+                with rebuilt_input(h, silu_product, gate, up):
+                    return self.w2(h)
+            return self.w2(h)
+        pre = self.w1(x)
+        h = _gelu(pre)
+        if rebuilds(self, h):
+            with rebuilt_input(h, _gelu, pre):
+                return self.w2(h)
+        return self.w2(h)
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:

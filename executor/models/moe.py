@@ -29,13 +29,15 @@ the results back. No parallel code here.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cost_models.specs import ModelSpec
 
-from .layers import FeedForward, swiglu
+from .layers import FeedForward, silu_product, rebuilds, rebuilt_input, swiglu
 
 
 class Router(nn.Module):
@@ -117,27 +119,31 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.rebuild_product = False      # the down projection's input rebuilt in backward (layers.rebuilt_input)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] sorted by expert; counts: [E] tokens per expert."""
-        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, rebuild=rebuilds(self, x))
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert on its contiguous run of `x` (runs given by `counts`)."""
+                   w3: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
+    """SwiGLU of each expert on its contiguous run of `x` (runs given by `counts`); `rebuild`: the down
+    projection saves its input as a recipe (`layers.rebuilt_input`)."""
     if x.shape[0] == 0:  # keep the weights *and x* in the graph so every rank's backward matches
         # (under expert parallel x comes from an all-to-all: if no gradient path led back to it,
         # a rank that received no tokens would skip that all-to-all's backward and its peers hang)
         return x.new_zeros(0, w2.shape[-1]) + 0 * (w1.sum() + w2.sum() + w3.sum() + x.sum())
     if _grouped_mm_available(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        h = swiglu(torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs))
-        return torch._grouped_mm(h, w2, offs=offs)
-    return _padded_bmm_swiglu(x, counts, w1, w2, w3)
+        gate, up = torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs)
+        h = swiglu(gate, up)
+        with rebuilt_input(h, silu_product, gate, up) if rebuild else contextlib.nullcontext():
+            return torch._grouped_mm(h, w2, offs=offs)
+    return _padded_bmm_swiglu(x, counts, w1, w2, w3, rebuild)
 
 
-def _padded_bmm_swiglu(x, counts, w1, w2, w3):
+def _padded_bmm_swiglu(x, counts, w1, w2, w3, rebuild: bool = False):
     """Scatter tokens into [E, max_count, dim], one bmm per matrix, gather back."""
     e = counts.shape[0]
     counts = counts.to(torch.int64)
@@ -147,8 +153,10 @@ def _padded_bmm_swiglu(x, counts, w1, w2, w3):
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of]
     padded = x.new_zeros(e, cap, x.shape[-1])
     padded[expert_of, slot] = x
-    h = swiglu(torch.bmm(padded, w1), torch.bmm(padded, w3))
-    out = torch.bmm(h, w2)
+    gate, up = torch.bmm(padded, w1), torch.bmm(padded, w3)
+    h = swiglu(gate, up)
+    with rebuilt_input(h, silu_product, gate, up) if rebuild else contextlib.nullcontext():
+        out = torch.bmm(h, w2)
     return out[expert_of, slot]
 
 

@@ -26,6 +26,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from ..models.layers import rebuilds
 from ..models.moe import GroupedExperts, grouped_swiglu, in_backward
 
 
@@ -40,6 +41,7 @@ class ExpertParallelExperts(nn.Module):
         if self.n_experts % self.ep:
             raise ValueError(f"ep={self.ep} must divide the number of experts ({self.n_experts})")
         self.n_local = self.n_experts // self.ep
+        self.rebuild_product = experts.rebuild_product     # (layers.rebuilt_input; the executor sets it)
         # the same parameter names as GroupedExperts, so checkpoints do not depend on ep
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
@@ -65,7 +67,8 @@ class ExpertParallelExperts(nn.Module):
 
         # received rows are ordered (src rank, local expert); experts want (local expert, src rank)
         perm = _regroup_index(recv)
-        y = grouped_swiglu(x_recv[perm], recv.sum(0), *self.local_weights())
+        y = grouped_swiglu(x_recv[perm], recv.sum(0), *self.local_weights(),
+                           rebuild=rebuilds(self, x_recv))
         y_back = torch.empty_like(y).index_copy_(0, perm, y) if y.shape[0] else y
 
         t1 = time.perf_counter()

@@ -134,6 +134,16 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
     return "dtensor"
 
 
+def set_rebuild_product(module: nn.Module, on: bool) -> None:
+    """Turn on (or off) the FFNs' rebuilt down-projection input (``models/layers.rebuilt_input``: each dense
+    FFN and expert group keeps gate and up, not their product too) on every module of `module` that has it:
+    on exactly when its blocks are neither checkpointed (ac none) nor compiled.  The memory model's titan-run
+    regime counts it (``Workload.swiglu_impl: auto``, cost_models/activations.py)."""
+    for m in module.modules():
+        if hasattr(m, "rebuild_product"):
+            m.rebuild_product = on
+
+
 def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
                 tp_activations: str = "gathered", typecheck: bool = False) -> nn.Module:
     """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place.
@@ -169,6 +179,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
                                                               if n != "tp")], ep_mesh=meshes.ep)
     elif plan.ep > 1:
         apply_ep(module, meshes.ep)
+    set_rebuild_product(module, plan.ac == "none" and not plan.compile)
     apply_ac(module, plan.ac)
     if plan.compile:
         apply_compile(module)
