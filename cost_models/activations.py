@@ -331,15 +331,18 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
       output, one [tokens, dim] tensor per stage chunk) in the stage's forward cache until its
       backward, on top of what the blocks save.  For pp == 1 this tensor is the final norm's input,
       counted by `head_activation_bytes`.
-    * ``sends``: the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble, DualPipeV run by torch's
-      PipelineScheduleMulti / _PipelineScheduleRuntime) keep every P2P send's work -- and with it
-      the sent activation or input gradient -- until the end of the step: n_microbatches
-      residual-width tensors per direction a rank sends over P2P.  The caller multiplies by the
-      rank's send directions: a forward output from each stage but the last, an input gradient from
-      each stage but the first, none across a V schedule's same-rank hand-over (rank pp - 1 holds
-      stages pp - 1 and pp).  Measured with titan-run's profiled peak (pp 2, v 2, 8 and 16
-      micro-batches): 3 per micro-batch on both ranks of Interleaved1F1B, 2 on both of
-      ZBVZeroBubble and DualPipeV.
+    * ``sends_out`` / ``sends_grad``: the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble,
+      DualPipeV run by torch's PipelineScheduleMulti / _PipelineScheduleRuntime) keep every P2P send's
+      work -- and with it the sent activation or input gradient -- until the end of the step:
+      n_microbatches residual-width tensors per direction a rank sends over P2P.  The caller multiplies
+      ``sends_out`` by the rank's forward send directions (an output from each stage but the last) and
+      ``sends_grad`` by its backward ones (an input gradient from each stage but the first), none across
+      a V schedule's same-rank hand-over (rank pp - 1 holds stages pp - 1 and pp).  Measured with
+      titan-run's profiled peak (pp 2, v 2, 8 and 16 micro-batches), torch's runtime as is: 3 per
+      micro-batch on both ranks of Interleaved1F1B, 2 on both of ZBVZeroBubble and DualPipeV.  titan-run
+      (``pp_sent_tensors: outputs_released``) lets a sent output go once its gradient is back, so the
+      outputs are the in-flight ``boundary`` tensors and only ``sends_grad`` grows: 1 / 2 per micro-batch
+      on ranks 0 / 1 of Interleaved1F1B, 1 / 1 of the V schedules (bench/bench_pp_recv_memory.py).
     * ``deferred_w``: ZBVZeroBubble splits backward into I (input grad) and W (weight grad) and runs
       W late; until then each pending (chunk, micro-batch) keeps the gradients of every matmul's
       output (the dW = g^T x operands).  Their forward tensors are among the pp in-flight
@@ -369,9 +372,11 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     piped = table.pp > 1
     # torch.distributed.pipelining only (the fsdp2 layout); Megatron frees a sent output's data
     # (deallocate_output_tensor) and waits its sends per micro-batch
-    torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors (auto: kept for fsdp2, freed for megatron)
-    boundary = np.where(piped & ~multi & torch_pp, v * resid, 0.0)
-    sends = np.where(multi & torch_pp, table.n_microbatches * resid, 0.0)     # per send direction
+    torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors: kept or outputs_released (auto for fsdp2)
+    held_outputs = workload.pp_keeps_sent_outputs     # kept: a multi-stage schedule holds the sent outputs too
+    boundary = np.where(piped & (~multi | (torch_pp and not held_outputs)) & torch_pp, v * resid, 0.0)
+    sends_grad = np.where(multi & torch_pp, table.n_microbatches * resid, 0.0)    # per send direction
+    sends_out = np.where(multi & torch_pp & held_outputs, table.n_microbatches * resid, 0.0)
     out_width = 0.0 * tp
     for m in layer_matmuls(model, moe):
         mult = model.top_k if m.expert else 1.0
@@ -380,7 +385,8 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model, workload.pp_weighted) * e * out_width * tokens, 0.0)
     # torch's PipelineStage as TorchTitan runs it; titan-run and Megatron receive per micro-batch
     recv = np.where(piped & torch_pp & workload.pp_recv_persistent, table.n_microbatches * resid, 0.0)
-    return {"boundary": boundary, "sends": sends, "deferred_w": deferred_w, "recv": recv}
+    return {"boundary": boundary, "sends_out": sends_out, "sends_grad": sends_grad, "deferred_w": deferred_w,
+            "recv": recv}
 
 
 def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:

@@ -38,7 +38,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("torchtitan", "TorchTitan (FSDP2, DTensor TP, torch.distributed.pipelining)",
               {"selective_ac": "op", "norm_impl": "composite", "gqa_kv": "expanded",
                "pp_recv_buffers": "persistent", "loss_impl": "compiled", "swiglu_impl": "eager",
-               "pp_grad_sync": "last_microbatch"},
+               "pp_grad_sync": "last_microbatch", "pp_sent_tensors": "kept"},
               why="selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
                   "every other matmul output kept); its norms are PyTorch's nn.RMSNorm (eager ops, fused by "
                   "Inductor when compiled); its llama Attention repeats K and V to n_heads (repeat_kv) before "
@@ -47,7 +47,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "autograd keeps silu(gate) too; its loss is F.cross_entropy on the fp32 upcast, compiled with "
                   "the model since 2025-04 (build_cross_entropy_loss); its pipeline stages are torch's PipelineStage, which keeps "
                   "one receive buffer per micro-batch and direction for the stage's life, and whose backward "
-                  "turns FSDP's gradient sync off for all but the last micro-batch"),
+                  "turns FSDP's gradient sync off for all but the last micro-batch; its multi-stage schedules "
+                  "wait every send at the end of the step, holding the sent tensors"),
     Framework("composer", "MosaicML Composer / llm-foundry (PyTorch FSDP)",
               {"selective_ac": "op", "loss_impl": "fused", "swiglu_impl": "eager"},
               why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy); its GLU FFN is the plain "

@@ -313,7 +313,9 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
                        e * model.vocab_size * model.dim + e * shared["tokens"] * model.dim - per_mb, 0.0)
     working_set = np.maximum(working_set, emb_bwd)
     has_head = rp[f"{which}_has_head"]
-    per_mb = per_mb + np.where(has_head, 0.0, pipe["boundary"])   # the loss stage's output: logits
+    # the loss stage's output is the logits: its other stages' outputs only (none with one stage per rank)
+    v = table.stages_per_rank.astype(np.float64)
+    per_mb = per_mb + pipe["boundary"] * np.where(has_head, (v - 1.0) / v, 1.0)
     per_mb = per_mb + np.where(rp[f"{which}_has_emb"], shared["emb_act"], 0.0)   # embedding norm, dropout mask
     # Two peak candidates after the last forward: the loss turn (final norm, head input and the
     # logit tensors of the current micro-batch) and, once those are freed, a block's backward
@@ -325,14 +327,17 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # torch's per-micro-batch receive buffers (`pipeline_extra_bytes` ``recv``): one set per direction of
     # each stage the rank holds, none for the first stage's input and the last stage's output gradient
     directions = 2.0 * table.stages_per_rank - rp[f"{which}_has_emb"] - has_head
-    # the sends (`pipeline_extra_bytes` ``sends``): the same directions, less a V schedule's same-rank
-    # hand-over (stages pp - 1 and pp on rank pp - 1: the forward output and the input gradient stay local)
+    # the sends (`pipeline_extra_bytes` ``sends_out``, ``sends_grad``): an output from each stage but the last,
+    # an input gradient from each but the first, less a V schedule's same-rank hand-over (stages pp - 1 and pp
+    # on rank pp - 1: the forward output and the input gradient stay local)
     v_shape = table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV")
-    handover = v_shape & (rank == table.pp - 1)
-    send_directions = directions - np.where(handover, 2.0, 0.0)
+    handover = np.where(v_shape & (rank == table.pp - 1), 1.0, 0.0)
+    out_directions = table.stages_per_rank - has_head - handover
+    grad_directions = table.stages_per_rank - rp[f"{which}_has_emb"] - handover
+    sends = out_directions * pipe["sends_out"] + grad_directions * pipe["sends_grad"]
     acts = ((infl * per_mb + working_set + pipe["deferred_w"]
             + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
-            + (send_directions * pipe["sends"] + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
+            + (sends + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
     # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
     turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
     logits = np.where(has_head, shared["logits_head"] - shared["logits_turn"], 0.0) + turn_excess

@@ -93,13 +93,16 @@ class Workload:
     ``sends_once_per_node``, which cites the kernels).
 
     ``pp_sent_tensors`` is what the pipeline runtime does with the tensors a stage has sent: ``kept``
-    (torch.distributed.pipelining, what titan-run runs: a stage output stays in the stage's forward cache
+    (torch.distributed.pipelining as TorchTitan runs it: a stage output stays in the stage's forward cache
     until its backward, and the multi-stage schedules keep every P2P send's work -- with the sent
-    activation or input gradient -- until the end of the step) or ``freed`` (Megatron-core's
-    ``deallocate_output_tensor`` under ``deallocate_pipeline_outputs``, megatron/core/pipeline_parallel/
-    schedules.py: a sent output's data is freed and sends are waited per micro-batch; the Llama 3 paper,
-    arXiv:2407.21783 Sec. 3.3.2: "we proactively deallocate ... the input and output tensors of each
-    pipeline stage"); ``auto`` is ``kept`` for fsdp2 and ``freed`` for megatron.
+    activation or input gradient -- until the end of the step), ``outputs_released`` (titan-run: the same
+    runtime, but a sent stage output is let go once its gradient has come back, so only the sent input
+    gradients are held to the step's end: executor/parallel/pipeline.py ``_releasing_sent_outputs``) or
+    ``freed`` (Megatron-core's ``deallocate_output_tensor`` under ``deallocate_pipeline_outputs``,
+    megatron/core/pipeline_parallel/schedules.py: a sent output's data is freed and sends are waited per
+    micro-batch; the Llama 3 paper, arXiv:2407.21783 Sec. 3.3.2: "we proactively deallocate ... the input
+    and output tensors of each pipeline stage"); ``auto`` is ``outputs_released`` for fsdp2 and ``freed``
+    for megatron.
     ``pp_recv_buffers`` is how long a pipeline stage keeps the tensors it receives into: ``persistent``
     (torch's PipelineStage allocates one buffer per micro-batch and direction at the first step and keeps
     all of them for the stage's life: TorchTitan) or ``per_microbatch`` (a micro-batch's buffer is
@@ -244,7 +247,7 @@ class Workload:
     float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
     loss_impl: Literal["auto", "eager", "compiled", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
-    pp_sent_tensors: Literal["auto", "kept", "freed"] = "auto"   # pipeline: tensors a stage has sent
+    pp_sent_tensors: Literal["auto", "kept", "outputs_released", "freed"] = "auto"   # pipeline: sent tensors
     pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
     pp_grad_sync: Literal["auto", "last_microbatch", "every_microbatch"] = "auto"   # pipeline: DP grad sync
     pp_split: Literal["layers", "weighted"] = "layers"        # pipeline: how layers are cut into stages
@@ -361,12 +364,24 @@ class Workload:
         return self.state_layout == "fsdp2"
 
     @property
-    def pp_keeps_sent(self) -> bool:
-        """``pp_sent_tensors`` with ``auto`` resolved by the state layout: True when the pipeline runtime
-        keeps the tensors a stage has sent (torch.distributed.pipelining), False when it frees them."""
+    def pp_sent_mode(self) -> str:
+        """``pp_sent_tensors`` with ``auto`` resolved by the state layout: ``outputs_released`` for fsdp2
+        (titan-run), ``freed`` for megatron."""
         if self.pp_sent_tensors != "auto":
-            return self.pp_sent_tensors == "kept"
-        return self.state_layout == "fsdp2"
+            return self.pp_sent_tensors
+        return "outputs_released" if self.state_layout == "fsdp2" else "freed"
+
+    @property
+    def pp_keeps_sent(self) -> bool:
+        """True when the pipeline runtime is torch.distributed.pipelining's (``kept`` or ``outputs_released``):
+        stage outputs cached to their backward, sent input gradients held to the step's end; False when it
+        frees what it has sent (``freed``)."""
+        return self.pp_sent_mode != "freed"
+
+    @property
+    def pp_keeps_sent_outputs(self) -> bool:
+        """True when a multi-stage schedule also holds every sent stage output to the step's end (``kept``)."""
+        return self.pp_sent_mode == "kept"
 
     @property
     def pp_recv_persistent(self) -> bool:

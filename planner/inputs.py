@@ -86,10 +86,12 @@ WORKLOAD_HELP = {
                    "megatron per_node with node-limited routing), every_copy (an all-to-all of every routed copy: "
                    "titan-run, TorchTitan, Megatron's alltoall dispatcher) or per_node (DeepEP / HybridEP, Megatron's "
                    "flex dispatcher: once per remote node, then over NVLink)",
-    "pp_sent_tensors": "what the pipeline runtime does with the tensors a stage has sent: auto (default: kept for "
-                       "fsdp2, freed for megatron), kept (torch.distributed.pipelining, titan-run: stage outputs "
-                       "cached, multi-stage schedules hold sends to the step's end) or freed (Megatron's "
-                       "deallocate_pipeline_outputs, the Llama 3 paper)",
+    "pp_sent_tensors": "what the pipeline runtime does with the tensors a stage has sent: auto (default: "
+                       "outputs_released for fsdp2, freed for megatron), kept (torch.distributed.pipelining as "
+                       "TorchTitan runs it: stage outputs cached, multi-stage schedules hold sends to the step's "
+                       "end), outputs_released (titan-run: a sent output let go once its gradient is back, sent "
+                       "input gradients held to the step's end) or freed (Megatron's deallocate_pipeline_outputs, "
+                       "the Llama 3 paper)",
     "pp_recv_buffers": "how long a pipeline stage keeps the tensors it receives into: auto (default: "
                        "per_microbatch), per_microbatch (titan-run, Megatron: a micro-batch's buffer from its "
                        "receive to its use) or persistent (torch's PipelineStage as TorchTitan runs it: one "

@@ -153,12 +153,11 @@ class _Rebuilt:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` is a view of `b`'s memory: DTensor's view ops hand back local tensors that alias the
-    input's storage without recording it as their ``_base``.  False where storage has no address (fake
-    tensors of the dry run, meta tensors)."""
+    """Whether `a` views `b`'s storage: DTensor's view ops hand back local tensors that alias the input's
+    storage without recording it as their ``_base``.  Compared by storage object (``_cdata``, the same for
+    every alias, real or fake), not by address (fake tensors have none)."""
     try:
-        return (a.device == b.device and b.numel() > 0
-                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+        return a.device == b.device and a.untyped_storage()._cdata == b.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return False
 

@@ -230,8 +230,10 @@ class PipelineRunner:
         self._positions.value = positions
         args = (tokens,) if self.has_first else ()
         ctx = self._step_context() if self._step_context is not None else contextlib.nullcontext()
+        sent = getattr(self.stages[0], "_titan_sent", None) if self.stages else None
+        released = _releasing_sent_outputs(sent) if sent is not None else contextlib.nullcontext()
         try:
-            with ctx:
+            with ctx, released:
                 if self.has_last:
                     losses: list[torch.Tensor] = []
                     self.schedule.step(*args, target=labels, losses=losses, **self._step_kwargs)
@@ -349,6 +351,91 @@ def _refill_recv(infos, zero: bool) -> None:
         info.buffer = buf.requires_grad_(True) if requires_grad else buf
 
 
+class _HeldSend:
+    """Stands for one isend's Work in the schedule's list of sends to wait at the end of the step
+    (:func:`_releasing_sent_outputs`): waits it when the schedule does, or earlier when
+    :meth:`release` drops it, and with it the Work's reference to the sent tensor."""
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, *args, **kwargs):
+        work, self.work = self.work, None
+        return work.wait(*args, **kwargs) if work is not None else True
+
+    release = wait
+
+
+def _storage_key(t) -> int | None:
+    """The storage a tensor (a DTensor: its local tensor) views, as a key (``_cdata``: one per storage, shared by
+    every alias, real or fake tensors alike).  torch sends a detached alias of each stage output
+    (``to_local_if_dtensor(out, detach=True)``), so the send and the cached output share storage, not the tensor
+    object; a storage the registry holds a send of stays alive, so its key is not reused meanwhile."""
+    t = getattr(t, "_local_tensor", t)
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _SentOutputs:
+    """The isends of stage outputs of the current step, by the memory they send: a stage releases those of
+    a micro-batch once its backward has taken the micro-batch's output gradient (`_PerMicrobatchRecv`)."""
+
+    def __init__(self):
+        self.held: dict[int, list[_HeldSend]] = {}
+
+    def add(self, tensor: torch.Tensor, sends: list[_HeldSend]) -> None:
+        key = _storage_key(tensor)
+        if key is not None:
+            self.held.setdefault(key, []).extend(sends)
+
+    def release(self, tensors) -> None:
+        for t in tensors:
+            key = _storage_key(t)
+            for send in self.held.pop(key, ()) if key is not None else ():
+                send.release()
+
+
+@contextlib.contextmanager
+def _releasing_sent_outputs(sent: _SentOutputs):
+    """One step of a multi-stage schedule during which the stage outputs it sends are let go as soon as
+    their gradient has come back, instead of at the end of the step.
+
+    torch's multi-stage runtime (``_PipelineScheduleRuntime._step_microbatches``) appends every SEND_F /
+    SEND_B batch's Works to a list it waits only when the step ends, and a Work keeps its tensor: each
+    micro-batch's sent output then outlives its backward, n_microbatches residual tensors per forward
+    direction.  Here a pure-send batch's Works are handed to the schedule as `_HeldSend` stand-ins, the
+    ones of stage outputs recorded by tensor, and a stage releases them (waits and drops the Work) once
+    its backward of that micro-batch has received the output gradient: the peer computed that gradient
+    from the output, so the send has completed and its wait cannot block (on gloo, where a send's wait
+    returns only when the peer has the data, nor on NCCL, where it is a stream dependency).  Input
+    gradients the rank sends are kept to the step's end as torch keeps them (a peer's use of one gives
+    the sender no signal).  Measured (bench/bench_pp_recv_memory.py): Interleaved1F1B grows 1 / 2
+    residual tensors a micro-batch on ranks 0 / 1 instead of 3 / 3."""
+    from torch.distributed.pipelining import schedules
+    orig = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = orig(p2p_ops, desc=desc)
+        if (not p2p_ops or not isinstance(works, list) or len(works) != len(p2p_ops)   # (torch < 2.14: one Work)
+                or any(op.op is not dist.isend for op in p2p_ops)):
+            return works
+        held = [_HeldSend(w) for w in works]
+        for op, h in zip(p2p_ops, held):
+            sent.add(op.tensor, [h])
+        return held
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = orig
+        sent.held.clear()
+
+
 class _PerMicrobatchRecv:
     """PipelineStage methods, as a mixin ahead of PipelineStage.
 
@@ -395,7 +482,12 @@ class _PerMicrobatchRecv:
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, **kwargs):
+        cached = self.fwd_cache.get(bwd_chunk_id)
+        outputs = cached[0] if cached is not None else ()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, **kwargs)
+        sent = getattr(self, "_titan_sent", None)
+        if sent is not None and not self.is_last:     # its output gradient has arrived: the sends are done
+            sent.release(outputs if isinstance(outputs, (tuple, list)) else (outputs,))
         # The schedule keeps each micro-batch's loss to the end of the step; with its grad_fn it keeps
         # the (spent) autograd graph's nodes, whose AccumulateGrad node holds the stage input: one
         # received activation per micro-batch.  Detached in place, as torch detaches stage outputs.
@@ -498,9 +590,11 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
                  "deferral disabled for correctness)", plan.schedule)
         stage_kwargs["dw_builder"] = _no_deferred_weight_grad
     pstages = []
+    sent = _SentOutputs() if plan.is_multi_stage else None   # (single-stage schedules wait each send promptly)
     for idx, module in stages:
         module.register_forward_pre_hook(positions, with_kwargs=True)
         pstages.append(stage_cls(module, idx, plan.n_stages, device, group=group, **stage_kwargs))
+        pstages[-1]._titan_sent = sent
     if plan.is_multi_stage:
         schedule = cls(pstages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
     else:
