@@ -313,6 +313,13 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     # tensors, vs 2 residual + 2 hidden gradients = 16 MiB.
     width = model.moe_ffn_hidden * model.top_k if moe else model.ffn_hidden
     ffn_grads = 2.0 * e * width * table.microbatch * workload.seq_len / table.cp / table.tp
+    # an FFN that rebuilds its down projection's input (`Workload.ffn_rebuilds_product`) makes it again in
+    # backward, one more hidden-width tensor next to those gradients (measured on llama3-debug, fp32, mb 8:
+    # the step peak fell by 18 MiB, three of the four blocks' 6 MiB products)
+    lut = np.array([[[workload.ffn_rebuilds_product(ac=ac, compiled=bool(c), float8=bool(f)) for f in (0, 1)]
+                     for c in (0, 1)] for ac in AC_MODES], dtype=bool)
+    rebuilds = lut[table.ac, table.compile.astype(int), table.float8.astype(int)]
+    ffn_grads = ffn_grads * np.where(rebuilds, 1.5, 1.0)
     # DTensor TP with sequence parallelism: the SP -> TP all-gather's flat output lives next to the
     # cat that reorders it along the sequence dim, and in backward a row-parallel partial sum is
     # held at full size for its reduce-scatter (measured on tp 2: 4 + 2 MiB of such buffers of a

@@ -68,7 +68,10 @@ def test_fused_ffn_keeps_gate_and_up_only():
     eager = _activations(swiglu_impl="eager")
     fused = _activations(swiglu_impl="fused")
     ffn = _activations(swiglu_impl="fused_ffn")
-    assert eager - fused == pytest.approx(fused - ffn, rel=1e-9) and fused - ffn > 0
+    # per in-flight micro-batch one ffn-width tensor less kept; the backward makes the product again, one
+    # ffn-width tensor of one micro-batch more in its working set (2 bytes x 53,248 / 8 x 8,192 tokens)
+    rebuilt = 2 * L405.ffn_hidden / 8 * 8192
+    assert eager - fused == pytest.approx(fused - ffn + rebuilt, rel=1e-9) and fused - ffn > 0
     assert _activations() == ffn
     compiled = dataclasses.replace(PLAN, compile=True)
     act = lambda **kw: float(estimate(CandidateTable.from_plans([compiled]), L405, H100,

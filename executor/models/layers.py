@@ -178,10 +178,10 @@ def rebuilt_input(out: torch.Tensor, fn, *inputs: torch.Tensor):
         o = ref()
         if o is None:
             return t
-        if type(t) is torch.Tensor and (t is o or t._base is o):
-            return _Rebuilt(fn, inputs, t)
         local = getattr(t, "_local_tensor", None)       # a DTensor over the output (DTensor TP's row-wise input)
-        if type(local) is torch.Tensor and (local is o or local._base is o or _same_storage(local, o)):
+        if local is None:
+            return _Rebuilt(fn, inputs, t) if (t is o or t._base is o) else t
+        if local is o or local._base is o or _same_storage(local, o):
             return _Rebuilt(fn, inputs, local, dtensor=t)
         return t
 
