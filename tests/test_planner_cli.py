@@ -298,33 +298,46 @@ LLAMA3_405B_T4 = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h1
 # the same with the gradient sync stated (torch's pipelining: after the last micro-batch), so that the knobs below
 # are the only ones the estimate chooses
 LLAMA3_405B_T4_LAST = [*LLAMA3_405B_T4, "--pp-grad-sync", "last_microbatch"]
+# the 8,192-GPU row of the same table (FSDP 64, 32 micro-batches) under Interleaved1F1B, 4 stages per rank
+LLAMA3_405B_T4_8K_IL = ["--model", "llama3-405b", "--gpus", "8192", "--hardware", "h100-sxm", "--seq-len", "8192",
+                        "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B",
+                        "--stages-per-rank", "4"]
 
 
 def test_estimate_takes_a_sync_per_micro_batch_where_only_it_fits(capsys):
-    """The Llama 3 layout that trained without recompute (TP 8 x PP 16 x FSDP 128, seq 8K; Table 4): with the TP
-    activations and the pipeline's gradient sync left to the estimate, it keeps the sequence shards and
-    reduce-scatters every micro-batch (titan-run runs both), which fits where the defaults need twice the memory,
-    and says so in one note naming both keys and every variant."""
-    chosen = _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", "none")
+    """The Llama 3 layout that trained without recompute (TP 8 x PP 16 x FSDP 64, seq 8K; Table 4) under
+    Interleaved1F1B: with the TP activations and the pipeline's gradient sync left to the estimate, it keeps the
+    sequence shards and reduce-scatters every micro-batch (titan-run runs both), which fits where the defaults need
+    twice the memory, and says so in one note naming both keys and every variant.  (The 16,384-GPU row under 1F1B
+    fits with the shards alone since titan-run's FFNs rebuild their down projection's input.)"""
+    chosen = _estimate_json(capsys, *LLAMA3_405B_T4_8K_IL, "--ac", "none")
     assert chosen["predicted"]["headroom_gib"] >= 0 and chosen["titan_run_can_run"]
     assert chosen["workload"]["pp_grad_sync"] == "every_microbatch" and chosen["workload"]["tp_activations"] == "sharded"
-    stated = _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", "none", "--pp-grad-sync", "every_microbatch",
-                            "--tp-activations", "sharded", "--no-reshard")
+    stated = _estimate_json(capsys, *LLAMA3_405B_T4_8K_IL, "--ac", "none", "--pp-grad-sync", "every_microbatch",
+                            "--tp-activations", "sharded", "--reshard")
     assert chosen["predicted"] == stated["predicted"]
-    default = _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", "none", "--tp-activations", "gathered")
+    default = _estimate_json(capsys, *LLAMA3_405B_T4_8K_IL, "--ac", "none", "--tp-activations", "gathered",
+                             "--pp-grad-sync", "last_microbatch")
     assert default["predicted"]["headroom_gib"] < 0
     note = chosen["knob_notes"][0]
     assert note.startswith("tp-activations not given: 'sharded'") and "pp-grad-sync not given: 'every_microbatch'" in note
     assert note.count("; ") >= 4 and "gathered, last_microbatch: does not fit" in note
     # stated, the sync is not chosen: the search's rule for a key the question gives
-    assert _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", "none")["workload"]["pp_grad_sync"] == "last_microbatch"
+    assert _estimate_json(capsys, *LLAMA3_405B_T4_8K_IL, "--ac", "none", "--pp-grad-sync", "last_microbatch"
+                          )["workload"]["pp_grad_sync"] == "last_microbatch"
+    # the 16,384-GPU row under 1F1B: the shards alone fit, the sync stays the default
+    one = _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", "none")
+    assert one["predicted"]["headroom_gib"] >= 0 and one["workload"]["tp_activations"] == "sharded"
+    assert one["workload"]["pp_grad_sync"] == "auto"
 
 
 def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
     """A layout that trained (405B, TP 8 x PP 16 on 16,384 GPUs) is not judged by its no-recompute peak:
-    without --ac the estimate takes the setting the search would, and says so with every peak."""
-    chosen = _estimate_json(capsys, *LLAMA3_405B_T4_LAST)
-    by_ac = {ac: _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", ac) for ac in ("none", "selective", "full")}
+    without --ac the estimate takes the setting the search would, and says so with every peak (the TP
+    activations stated gathered: with the shards it fits without recompute, the test above)."""
+    fixed = [*LLAMA3_405B_T4_LAST, "--tp-activations", "gathered"]
+    chosen = _estimate_json(capsys, *fixed)
+    by_ac = {ac: _estimate_json(capsys, *fixed, "--ac", ac) for ac in ("none", "selective", "full")}
     fitting = {ac: d for ac, d in by_ac.items() if d["predicted"]["headroom_gib"] >= 0}
     assert "none" not in fitting and fitting, "the test needs a layout that fits only with recompute"
     fastest = min(fitting, key=lambda ac: fitting[ac]["predicted"]["step_time_s"])
@@ -340,7 +353,7 @@ def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
     assert small["plan"]["ac"] == "none" and small["predicted"] == _estimate_json(
         capsys, *BASE_8B, "--tp", "2", "--ac", "none")["predicted"]
     # and the text report prints the note
-    assert main(["estimate", *LLAMA3_405B_T4_LAST]) == 0
+    assert main(["estimate", *fixed]) == 0
     assert f"note: ac not given: '{fastest}'" in capsys.readouterr().out
 
 
