@@ -292,6 +292,14 @@ def _bytes(terms: np.ndarray, table, workload) -> np.ndarray:
                      + terms[:, FULL] + (terms[:, FULL_TP] + terms[:, SEQ_TP] / sp) * (tp > 1))
 
 
+def ffn_rebuild_rows(table, workload) -> np.ndarray:
+    """[n] True where a candidate's blocks rebuild the FFN's down-projection input in backward
+    (`Workload.ffn_rebuilds_product` of its AC mode, compile and float8: a lookup over the 12 combinations)."""
+    lut = np.array([[[workload.ffn_rebuilds_product(ac=ac, compiled=bool(c), float8=bool(f)) for f in (0, 1)]
+                     for c in (0, 1)] for ac in AC_MODES], dtype=bool)
+    return lut[table.ac, table.compile.astype(int), table.float8.astype(int)]
+
+
 def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tuple[np.ndarray, np.ndarray]:
     """(bytes one block keeps per micro-batch, transient working set of one block's backward).
 
@@ -316,10 +324,7 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     # an FFN that rebuilds its down projection's input (`Workload.ffn_rebuilds_product`) makes it again in
     # backward, one more hidden-width tensor next to those gradients (measured on llama3-debug, fp32, mb 8:
     # the step peak fell by 18 MiB, three of the four blocks' 6 MiB products)
-    lut = np.array([[[workload.ffn_rebuilds_product(ac=ac, compiled=bool(c), float8=bool(f)) for f in (0, 1)]
-                     for c in (0, 1)] for ac in AC_MODES], dtype=bool)
-    rebuilds = lut[table.ac, table.compile.astype(int), table.float8.astype(int)]
-    ffn_grads = ffn_grads * np.where(rebuilds, 1.5, 1.0)
+    ffn_grads = ffn_grads * np.where(ffn_rebuild_rows(table, workload), 1.5, 1.0)
     # DTensor TP with sequence parallelism: the SP -> TP all-gather's flat output lives next to the
     # cat that reorders it along the sequence dim, and in backward a row-parallel partial sum is
     # held at full size for its reduce-scatter (measured on tp 2: 4 + 2 MiB of such buffers of a

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 
+from .activations import ffn_rebuild_rows
 from .comm import all_reduce_time, all_to_all_time, axis_links, link_params, p2p_time, ring_gather_time
 from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels, float8_cast_bytes, gemm_sums,
                       gemm_time, head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
@@ -265,6 +266,7 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     lat = coeffs.kernel_latency_s
     gpu_f = g_f + a_fwd + el_f + kern * lat
     gpu_b = g_f + a_bwd + 2 * el_f + rec + ((2.0 + rec_k) * kern - n_mm) * lat   # B: input gradients
+    gpu_b = gpu_b + _rebuilt_ffn_input_time(table, model, workload, r, moe, tokens, tp, lat)
     g_w = g_f + n_mm * lat                         # W: weight-gradient GEMMs
     tpf, tpb = _tp_exposed(mm, model, workload, coeffs, tp, tp_one, sides)
     # host side: every kernel and every collective is launched by the CPU; the TP collectives
@@ -280,6 +282,21 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     w_rec = np.where((workload.state_layout == "fsdp2") & table.is_v_schedule & (table.pp > 1) & ac_full,
                      gpu_f, 0.0)
     return {"f": f, "b": b, "w": g_w + w_rec, "tpf": tpf, "tpb": tpb, "gpu_f": gpu_f, "gpu_b": gpu_b}
+
+
+def _rebuilt_ffn_input_time(table, model, workload, r: Rates, moe: bool, tokens, tp, lat: float) -> np.ndarray:
+    """Backward time of rebuilding the FFN's down-projection input where the block does
+    (`Workload.ffn_rebuilds_product`: titan-run's eager blocks without recompute, ``swiglu_impl: fused_ffn``): the
+    activation once more, reading gate and up (the GELU input) and writing the product, two kernels (silu and the
+    product; one GELU), per token of the rank's ffn width."""
+    rebuilds = ffn_rebuild_rows(table, workload)
+    if not rebuilds.any():
+        return np.zeros(len(table))
+    e = r.elt
+    width = (model.top_k + model.n_shared_experts) * model.moe_ffn_hidden if moe else model.ffn_hidden
+    swiglu = model.mlp == "swiglu"
+    traffic = tokens * (3.0 if swiglu else 2.0) * e * width / tp / r.mem
+    return np.where(rebuilds, traffic + (2.0 if swiglu else 1.0) * lat, 0.0)
 
 
 def _module_recompute(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp, sp, a_fwd) -> np.ndarray:
