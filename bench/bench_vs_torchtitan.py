@@ -161,6 +161,16 @@ FSDP 2 1,601 / 1,779 tok/s/rank, ratio 1.124x (rounds 1.141, 1.124, 1.102), fast
 328 (1.186).  A 20-step run's wall time, start-up included: FSDP 2 TorchTitan 24-27 s, ours 17-18 s; TP 2
 20-21 s, 13-14 s.  TP 2 meets the goal (>= 1.2x) on tokens/s; FSDP 2 does not.
 
+The rebuilt FFN input (executor/models/layers.py ``rebuilt_input``: the down projection keeps no copy of the SwiGLU
+product, which backward makes again; on for eager blocks without recompute, as here) trades work for memory: one
+elementwise SwiGLU more per FFN backward.  Measured 2026-12-06 17:55-17:58 with ``--ours-src`` before (9a9097c) and
+after in the same alternation, quiet (the rest of the machine 0.00 cores), FSDP 2, medians of 3 rounds: TorchTitan /
+before / after CPU ms per step 621 / 589 / 594, ratio to TorchTitan 1.096x / 1.067x (rounds 1.096, 1.126, 1.085 /
+1.067, 1.110, 1.048): about 2.5% of this tiny model's step (llama3-debug's FFN is 768 wide on one CPU thread, where
+elementwise passes cost as much as its matmuls), for one [tokens, 768] fp32 tensor per block less (bench_memory_vs_model:
+FSDP 2 101.0 -> 92.0 MiB).  On the 405B layout the cost model gives the pass 0.3% of the step (11.712 -> 11.747 s)
+for 13.4 GiB per GPU less (91.3 -> 77.8 GiB).
+
 ``--tt-python`` is an interpreter with torchtitan 0.3.0 (no deps) and spmd_types 0.2.3 (its
 pin), torch 2.14.1; e.g. ``python -m venv --system-site-packages V && V/bin/pip install --no-deps
 torchtitan==0.3.0 spmd_types==0.2.3 && V/bin/pip install torchdata torch_checkpointing
