@@ -163,7 +163,7 @@ FSDP 2 1,601 / 1,779 tok/s/rank, ratio 1.124x (rounds 1.141, 1.124, 1.102), fast
 
 The rebuilt FFN input (executor/models/layers.py ``rebuilt_input``: the down projection keeps no copy of the SwiGLU
 product, which backward makes again; on for eager blocks without recompute, as here) trades work for memory: one
-elementwise SwiGLU more per FFN backward.  Measured 2026-12-06 17:55-17:58 with ``--ours-src`` before (9a9097c) and
+elementwise SwiGLU more per FFN backward.  Measured 2026-12-06 17:52-17:55 with ``--ours-src`` before (9a9097c) and
 after in the same alternation, quiet (the rest of the machine 0.00 cores), FSDP 2, medians of 3 rounds: TorchTitan /
 before / after CPU ms per step 621 / 589 / 594, ratio to TorchTitan 1.096x / 1.067x (rounds 1.096, 1.126, 1.085 /
 1.067, 1.110, 1.048): about 2.5% of this tiny model's step (llama3-debug's FFN is 768 wide on one CPU thread, where
