@@ -408,8 +408,8 @@ def _releasing_sent_outputs(sent: _SentOutputs):
     torch's multi-stage runtime (``_PipelineScheduleRuntime._step_microbatches``) appends every SEND_F /
     SEND_B batch's Works to a list it waits only when the step ends, and a Work keeps its tensor: each
     micro-batch's sent output then outlives its backward, n_microbatches residual tensors per forward
-    direction.  Here a pure-send batch's Works are handed to the schedule as `_HeldSend` stand-ins, the
-    ones of stage outputs recorded by tensor, and a stage releases them (waits and drops the Work) once
+    direction.  Here a pure-send batch's Works are handed to the schedule as `_HeldSend` stand-ins, recorded
+    by the storage they send, and a stage releases those of its outputs (waits and drops the Work) once
     its backward of that micro-batch has received the output gradient: the peer computed that gradient
     from the output, so the send has completed and its wait cannot block (on gloo, where a send's wait
     returns only when the peer has the data, nor on NCCL, where it is a stream dependency).  Input
@@ -420,7 +420,7 @@ def _releasing_sent_outputs(sent: _SentOutputs):
     orig = schedules._batch_p2p
 
     def batch_p2p(p2p_ops, desc=None):
-        works = orig(p2p_ops, desc=desc)
+        works = orig(p2p_ops) if desc is None else orig(p2p_ops, desc=desc)
         if (not p2p_ops or not isinstance(works, list) or len(works) != len(p2p_ops)   # (torch < 2.14: one Work)
                 or any(op.op is not dist.isend for op in p2p_ops)):
             return works
