@@ -322,8 +322,8 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     width = model.moe_ffn_hidden * model.top_k if moe else model.ffn_hidden
     ffn_grads = 2.0 * e * width * table.microbatch * workload.seq_len / table.cp / table.tp
     # an FFN that rebuilds its down projection's input (`Workload.ffn_rebuilds_product`) makes it again in
-    # backward, one more hidden-width tensor next to those gradients (measured on llama3-debug, fp32, mb 8:
-    # the step peak fell by 18 MiB, three of the four blocks' 6 MiB products)
+    # backward, one more hidden-width tensor next to those gradients (measured on llama3-debug, fp32, mb 8, 4
+    # blocks with 6 MiB products: the step peak fell by 18 MiB = 4 products not kept - the one made again)
     ffn_grads = ffn_grads * np.where(ffn_rebuild_rows(table, workload), 1.5, 1.0)
     # DTensor TP with sequence parallelism: the SP -> TP all-gather's flat output lives next to the
     # cat that reorders it along the sequence dim, and in backward a row-parallel partial sum is
@@ -386,7 +386,7 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     # (deallocate_output_tensor) and waits its sends per micro-batch
     torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors: kept or outputs_released (auto for fsdp2)
     held_outputs = workload.pp_keeps_sent_outputs     # kept: a multi-stage schedule holds the sent outputs too
-    boundary = np.where(piped & (~multi | (torch_pp and not held_outputs)) & torch_pp, v * resid, 0.0)
+    boundary = np.where(piped & torch_pp & (~multi | (not held_outputs)), v * resid, 0.0)
     sends_grad = np.where(multi & torch_pp, table.n_microbatches * resid, 0.0)    # per send direction
     sends_out = np.where(multi & torch_pp & held_outputs, table.n_microbatches * resid, 0.0)
     out_width = 0.0 * tp
