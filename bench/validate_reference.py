@@ -123,7 +123,11 @@ framework):
   caching; the DGX Cloud Nemotron-4 340B benchmark's config a bf16 optimizer state (moments and parameter copy).
 * a row's `parallel.pp_partition` states how its layers were cut into pipeline stages: text starting with
   `type:transformer|embed` (DeepSpeed's partition method) or `weighted` gives Workload.pp_split weighted (the
-  embedding and the head count as layers), `layers` the layers-only split; unstated, the regime's.
+  embedding and the head count as layers), `layers` the layers-only split; unstated, the regime's (for
+  megatron-deepspeed-2022 the layers-only split of GPTModelPipe's `partition_method='type:transformer'`: BLOOM's
+  chronicles-prequel.md, section 'Rebalancing layers', 2022-02-28: "I implemented and enabled `--pp-partition-method
+  'type:transformer|embedding'`", so the contenders dated before it ran the default, and the rows from then on
+  state the weighted split).
 * `not_scorable: <reason>` keeps a row listed but unscored; `trained: false` marks figures that
   are not from a training run (they are left out of the "predicted to fit" check, as are the
   shared set's Korthikanti Figure 1 no-recompute rows, whose source says they exceed 80 GB).

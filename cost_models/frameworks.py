@@ -67,10 +67,12 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "overlap (userbuffers) on"),
     Framework("megatron-deepspeed", "Megatron-DeepSpeed of 2022 (BLOOM) with DeepSpeed's BF16 optimizer",
               {**_MEGATRON, "attention_impl": "materialized", "dropout": True, "sequence_parallel": False,
-               "grad_accum": "hp_copy", "dp_comm_overlap": "none", "pp_split": "weighted"},
-              why="fused softmax and dropout, no sequence parallelism; the pipeline cut by --pp-partition-method "
-                  "'type:transformer|embedding' (tr11-176B-ml.slurm: the embeddings count as layers, the weighted "
-                  "split); the BF16 optimizer copies each micro-"
+               "grad_accum": "hp_copy", "dp_comm_overlap": "none", "pp_split": "layers"},
+              why="fused softmax and dropout, no sequence parallelism; the pipeline cut by the transformer layers "
+                  "alone (GPTModelPipe's partition_method 'type:transformer', DeepSpeed's balanced partition: the "
+                  "earlier stages take the extra layers; BLOOM's final runs passed --pp-partition-method "
+                  "'type:transformer|embedding' from 2022-02-28 on, chronicles-prequel.md 'Rebalancing layers': "
+                  "say --pp-split weighted for those); the BF16 optimizer copies each micro-"
                   "batch's gradients into fp32 (update_hp_grads) and all-reduces them whole (pipe/engine.py "
                   "_bf16_reduce_grads); the pipeline engine's ReduceGrads runs after the last backward "
                   "(deepspeed/runtime/pipe/schedule.py), so nothing hides it"),

@@ -80,13 +80,14 @@ def test_cli_writes_the_chosen_split_and_says_so(tmp_path, capsys):
     assert doc["pp_split"]["chosen"] == "weighted" and set(doc["pp_split"]["best_step_s"]) == {"layers", "weighted"}
 
 
-@pytest.mark.parametrize("stated", [["--pp-split", "layers"], ["--framework", "megatron-deepspeed"]])
-def test_a_stated_split_is_searched_alone(tmp_path, capsys, stated):
+@pytest.mark.parametrize("stated, want", [(["--pp-split", "layers"], "layers"),
+                                          (["--framework", "megatron-deepspeed"], "layers"),   # GPTModelPipe's default
+                                          (["--framework", "llama3-meta"], "weighted")])       # the paper's split
+def test_a_stated_split_is_searched_alone(tmp_path, capsys, stated, want):
     out = tmp_path / "plan.yaml"
     assert main([*Q405, *stated, "--json", "--out", str(out), "--top", "1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "pp_split" not in doc
-    want = "layers" if "--pp-split" in stated else "weighted"     # the megatron-deepspeed regime states weighted
     assert yaml.safe_load(out.read_text())["workload"]["pp_split"] == want
 
 
