@@ -29,6 +29,8 @@ class Framework:
     describes: str                                   # one line: which stack, which era
     workload: Mapping[str, Any] = field(default_factory=dict)      # Workload keys it fixes (its overlaps too)
     why: str = ""                                    # where each setting comes from
+    ac_choices: tuple[str, ...] | None = None        # the recompute settings its code has, when not all three
+    #   (`titan-plan estimate` without --ac compares only these)
 
 
 _MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention", "grad_dtype": "fp32"}
@@ -75,7 +77,10 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "say --pp-split weighted for those); the BF16 optimizer copies each micro-"
                   "batch's gradients into fp32 (update_hp_grads) and all-reduces them whole (pipe/engine.py "
                   "_bf16_reduce_grads); the pipeline engine's ReduceGrads runs after the last backward "
-                  "(deepspeed/runtime/pipe/schedule.py), so nothing hides it"),
+                  "(deepspeed/runtime/pipe/schedule.py), so nothing hides it; its recompute is whole layers "
+                  "(--checkpoint-activations) or none: the selective recompute of Korthikanti et al. "
+                  "(arXiv:2205.05198, Megatron-LM 2022-06) is not in the 2021-2022 forks",
+              ac_choices=("none", "full")),
     Framework("llama3-meta", "Meta's Llama 3 training stack (arXiv:2407.21783 Sec. 3.3.2: FSDP x TP x PP x CP)",
               {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused_ffn", "gqa_kv": "native",
                "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch",

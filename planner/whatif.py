@@ -75,14 +75,15 @@ def choose_ac(plans: list[Plan], est: Estimates) -> int:
 
 
 def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan",
-                workload=None, model=None) -> list[Plan]:
+                workload=None, model=None, ac_choices: tuple[str, ...] | None = None) -> list[Plan]:
     """`layout` completed (a what-if: ``runnable=False``); one plan per setting of :data:`AC_ORDER`
+    (those of `ac_choices` only: a framework regime whose code lacks one, ``Framework.ac_choices``)
     when it gives no ``ac``, else just the one; each of them with reshard-after-forward on and off when the
     layout gives no ``reshard_after_forward`` and it matters (FSDP shards, ``dp_shard`` > 1, under the
     fsdp2 state layout of `workload`), and, for Interleaved1F1B without ``stages_per_rank``, with each
     stages-per-rank value of the search space `titan-plan` would take (`plan_command.default_space`) that
     leaves every stage a layer of `model`."""
-    settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER]
+    settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER if ac in (ac_choices or AC_ORDER)]
     first = Plan.complete(dict(layout), world_size=world_size, global_batch=global_batch, runnable=False,
                           where=where)
     fsdp2 = workload is None or workload.state_layout == "fsdp2"
@@ -311,7 +312,7 @@ def cmd_estimate(args) -> int:
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted
     plans = ac_variants(estimate_layout(args, given), world_size=gpus, global_batch=workload.global_batch,
-                        where=where, workload=workload, model=model)
+                        where=where, workload=workload, model=model, ac_choices=FRAMEWORKS[q.framework].ac_choices)
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
@@ -328,6 +329,11 @@ def cmd_estimate(args) -> int:
     except SpecError as e:
         raise PlanError(str(e)) from None
     workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs)
+    lacks = [ac for ac in AC_ORDER if ac not in (FRAMEWORKS[q.framework].ac_choices or AC_ORDER)]
+    if ac_note and lacks:
+        ac_note += f"; {q.framework} has no {' or '.join(lacks)} recompute"
+    elif plan.ac in lacks:
+        knob_notes = [*knob_notes, f"{q.framework} has no {plan.ac} recompute; predicted as asked (--ac {plan.ac})"]
     knob_notes = [fold_note, *knob_notes] if fold_note else knob_notes
     not_runnable += workload_limits(plan, workload)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"

@@ -106,3 +106,34 @@ def test_an_unstated_gradient_dtype_is_not_a_verdict_on_the_heavier_one():
     # a regime states its dtype: Megatron-LM's fp32 is a verdict, not a default
     lm = json.loads(planner_cli(*args, "--framework", "megatron-lm", "--json").stdout)
     assert lm["workload"]["grad_dtype"] == "fp32" and lm["predicted"] == fp32["predicted"]
+
+
+# BLOOM 176B's final layout (tr11-176B-ml.slurm): 384 A100 80GB, TP 4, PP 12, DP 8, micro-batch 2, global batch 2048
+BLOOM_176B = ["estimate", "--model", "bloom-176b", "--gpus", "384", "--hardware", "a100-80g", "--seq-len", "2048",
+              "--global-batch", "2048", "--tp", "4", "--pp", "12", "--dp-shard", "8", "--microbatch", "2"]
+
+
+def test_a_regime_without_selective_recompute_is_not_given_it(tmp_path):
+    """Without --ac, `estimate` compares only the recompute settings the regime's code has (Megatron-DeepSpeed
+    of 2021-22: whole layers or none), and says so; a stated --ac it lacks is predicted, with a note."""
+    assert FRAMEWORKS["megatron-deepspeed"].ac_choices == ("none", "full")
+    model = tmp_path / "bloom.yaml"
+    model.write_text(yaml.safe_dump({"name": "bloom-176b", "n_layers": 70, "dim": 14336, "n_heads": 112,
+                                     "ffn_hidden": 57344, "vocab_size": 250880, "mlp": "gelu", "norm": "layernorm",
+                                     "tie_embeddings": True}))
+    q = [*BLOOM_176B]
+    q[q.index("bloom-176b")] = str(model)
+    chosen = planner_cli(*q, "--framework", "megatron-deepspeed", "--json")
+    assert chosen.returncode == 0, chosen.stderr
+    doc = json.loads(chosen.stdout)
+    assert doc["plan"]["ac"] in ("none", "full")
+    assert doc["ac_note"].endswith("; megatron-deepspeed has no selective recompute"), doc["ac_note"]
+    assert "selective" not in doc["ac_note"].split(";")[0]
+    asked = planner_cli(*q, "--framework", "megatron-deepspeed", "--ac", "selective", "--json")
+    assert asked.returncode == 0, asked.stderr
+    doc = json.loads(asked.stdout)
+    assert doc["plan"]["ac"] == "selective" and doc["ac_note"] is None
+    assert "megatron-deepspeed has no selective recompute; predicted as asked (--ac selective)" in doc["knob_notes"]
+    # titan-run has all three
+    own = json.loads(planner_cli(*q, "--json").stdout)
+    assert "selective" in own["ac_note"]
