@@ -199,7 +199,7 @@ FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-
                 "zero-bubble-2023": "megatron-2022",
                 "deepseek-hai-llm": "deepseek-hai-llm"}   # cost_models/frameworks.py cites both stacks' facts
 # the sources whose framework holds Megatron's state (and fused kernels): the megatron rules below
-MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if get_framework(v).workload.get("state_layout") == "megatron")
+MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if get_framework(v).fused_kernels)
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
 MATERIALIZED = tuple(k for k in MEGATRON
                      if get_framework(FRAMEWORK_OF[k]).workload.get("attention_impl") == "materialized")

@@ -32,6 +32,14 @@ class Framework:
     ac_choices: tuple[str, ...] | None = None        # the recompute settings its code has, when not all three
     #   (`titan-plan estimate` without --ac compares only these)
 
+    @property
+    def fused_kernels(self) -> bool:
+        """Its kernels are hand-fused (Megatron's fused softmax, bias-GeLU / SwiGLU, layernorm and cross-entropy;
+        Transformer Engine): the stacks that hold Megatron's state.  `titan-plan estimate` predicts them as a
+        compiled plan when neither --compile / --no-compile nor the plan file says otherwise, as
+        bench/validate_reference.py maps their published rows."""
+        return self.workload.get("state_layout") == "megatron"
+
 
 _MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention", "grad_dtype": "fp32"}
 

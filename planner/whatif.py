@@ -311,8 +311,14 @@ def cmd_estimate(args) -> int:
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted
-    plans = ac_variants(estimate_layout(args, given), world_size=gpus, global_batch=workload.global_batch,
-                        where=where, workload=workload, model=model, ac_choices=FRAMEWORKS[q.framework].ac_choices)
+    layout, fw = estimate_layout(args, given), FRAMEWORKS[q.framework]
+    kernel_note = None
+    if "compile" not in layout and fw.fused_kernels:     # Megatron's hand-fused kernels: predicted as compiled
+        layout["compile"] = True
+        kernel_note = (f"compile not given: on, for {fw.name}'s fused kernels (softmax, bias-activation, norm, "
+                       f"loss); --no-compile predicts eager kernels")
+    plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch,
+                        where=where, workload=workload, model=model, ac_choices=fw.ac_choices)
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
@@ -334,6 +340,8 @@ def cmd_estimate(args) -> int:
         ac_note += f"; {q.framework} has no {' or '.join(lacks)} recompute"
     elif plan.ac in lacks:
         knob_notes = [*knob_notes, f"{q.framework} has no {plan.ac} recompute; predicted as asked (--ac {plan.ac})"]
+    if kernel_note:
+        knob_notes = [kernel_note, *knob_notes]
     knob_notes = [fold_note, *knob_notes] if fold_note else knob_notes
     not_runnable += workload_limits(plan, workload)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"

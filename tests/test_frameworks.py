@@ -137,3 +137,22 @@ def test_a_regime_without_selective_recompute_is_not_given_it(tmp_path):
     # titan-run has all three
     own = json.loads(planner_cli(*q, "--json").stdout)
     assert "selective" in own["ac_note"]
+
+
+def test_megatron_regimes_predict_their_fused_kernels_without_compile_flags():
+    """A Megatron-state regime's hand-fused kernels are predicted as a compiled plan when the question does not
+    say --compile / --no-compile (the validator's rule for its rows), with a note; an explicit flag wins."""
+    base = [a for a in MBRIDGE_70B if a != "--compile"]
+    stated = json.loads(planner_cli(*MBRIDGE_70B, "--framework", "megatron-bridge", "--json").stdout)
+    implied = json.loads(planner_cli(*base, "--framework", "megatron-bridge", "--json").stdout)
+    eager = json.loads(planner_cli(*base, "--no-compile", "--framework", "megatron-bridge", "--json").stdout)
+    assert implied["plan"]["compile"] is True and eager["plan"]["compile"] is False
+    assert implied["predicted"] == stated["predicted"]
+    assert eager["predicted"]["step_time_s"] > implied["predicted"]["step_time_s"]
+    assert implied["knob_notes"][0].startswith("compile not given: on, for megatron-bridge's fused kernels")
+    assert not any(n.startswith("compile") for n in stated["knob_notes"] + eager["knob_notes"])
+    # FSDP stacks keep the question's (default: eager) kernels
+    fsdp = json.loads(planner_cli(*base, "--framework", "torchtitan", "--json").stdout)
+    assert fsdp["plan"]["compile"] is False
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_kernels} == {
+        "megatron-lm", "megatron-2022", "megatron-bridge", "megatron-deepspeed", "deepseek-hai-llm"}
