@@ -118,3 +118,45 @@ def test_dtensor_tp_rebuilds_its_rowwise_input():
     r = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], cwd=root, capture_output=True, text=True,
                        timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-2000:]
+
+
+def _dry_run_act(tmp_path, swiglu_impl: str) -> tuple[float, float]:
+    """The FakeTensor dry run's activation bytes and the cost model's, on rank 0 of a 2-rank FSDP plan."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from cost_models.estimate import estimate
+    from cost_models.specs import load_hardware, load_model
+    from cost_models.workload import Workload
+    from search_spaces.plan import Plan
+    from search_spaces.table import CandidateTable
+
+    plan = Plan(dp_shard=2, microbatch=2, n_microbatches=1)
+    workload = {"seq_len": 256, "global_batch": 4, "dtype": "fp32", "swiglu_impl": swiglu_impl}
+    f = tmp_path / f"plan_{swiglu_impl}.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-debug", "workload": workload, "plan": plan.to_dict()}))
+    r = subprocess.run([sys.executable, "-m", "executor.cli", "--dry-run", "--plan", str(f), "--json", "--memory"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])["ranks"][0]
+    est = estimate(CandidateTable.from_plans([plan]), load_model("llama3-debug"), load_hardware("cpu"),
+                   Workload(**workload))
+    return float(row["memory_estimate"]["act"]), float(est.memory["activations"][0])
+
+
+def test_a_plan_keeping_the_product_runs_without_the_rebuild(tmp_path):
+    """`workload: swiglu_impl: fused` (keep gate, up and their product) turns the rebuild off in the executor, as the
+    memory model reads it; `auto` rebuilds on eager blocks without recompute.  The dry run's activations differ
+    by the kept products, as the model's do: one FFN-width tensor per layer, less the one the rebuilding
+    backward makes again at the peak (the last layer's, when the backward starts)."""
+    from cost_models.specs import load_model
+
+    auto_run, auto_model = _dry_run_act(tmp_path, "auto")
+    kept_run, kept_model = _dry_run_act(tmp_path, "fused")
+    spec = load_model("llama3-debug")
+    product = 2 * 256 * spec.ffn_hidden * 4                          # micro-batch 2 x seq 256, fp32
+    assert kept_run - auto_run == pytest.approx((spec.n_layers - 1) * product, rel=0.05)
+    assert kept_model - auto_model == pytest.approx(kept_run - auto_run, rel=0.05)

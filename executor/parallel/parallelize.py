@@ -137,22 +137,27 @@ def resolve_backend(plan: Plan, meshes, *, announce: bool, spec: ModelSpec | Non
 def set_rebuild_product(module: nn.Module, on: bool) -> None:
     """Turn on (or off) the FFNs' rebuilt down-projection input (``models/layers.rebuilt_input``: each dense
     FFN and expert group keeps gate and up, not their product too) on every module of `module` that has it:
-    on exactly when its blocks are neither checkpointed (ac none) nor compiled.  The memory model's titan-run
-    regime counts it (``Workload.swiglu_impl: auto``, cost_models/activations.py)."""
+    :func:`parallelize` turns it on where the workload's ``Workload.ffn_rebuilds_product`` says (``swiglu_impl:
+    auto``: blocks neither checkpointed (ac none) nor compiled; ``fused`` keeps the product, a step's elementwise
+    pass cheaper for one FFN-width tensor more per block), which the memory model counts
+    (cost_models/activations.py)."""
     for m in module.modules():
         if hasattr(m, "rebuild_product"):
             m.rebuild_product = on
 
 
 def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
-                tp_activations: str = "gathered", typecheck: bool = False) -> nn.Module:
+                tp_activations: str = "gathered", typecheck: bool = False,
+                rebuild_ffn_product: bool | None = None) -> nn.Module:
     """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place.
 
     `tp_activations` (the workload key, resolved: ``gathered`` | ``sharded``) is what TP blocks keep of
     their all-gathered inputs (``spmd_tensor_parallel``); ``sharded`` runs on spmd_types in eager mode,
     with ac none (with ac full the checkpointed blocks save nothing inside: it changes nothing).  Compiled
     blocks get TP boundaries with their types erased, traced into the graph
-    (``spmd_tensor_parallel.ERASED_OPS``), unless `typecheck` (``train.spmd_typecheck``) keeps them typed."""
+    (``spmd_tensor_parallel.ERASED_OPS``), unless `typecheck` (``train.spmd_typecheck``) keeps them typed.
+    `rebuild_ffn_product` (:func:`set_rebuild_product`; None: on for eager blocks without recompute, the
+    ``swiglu_impl: auto`` rule) is what :func:`build_model_parts` reads from the workload."""
     err = float8_tp_backend_error(plan, backend)   # the spmd path gives the sharded operands global scales
     if err:
         raise ValueError(err)
@@ -179,7 +184,9 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
                                                               if n != "tp")], ep_mesh=meshes.ep)
     elif plan.ep > 1:
         apply_ep(module, meshes.ep)
-    set_rebuild_product(module, plan.ac == "none" and not plan.compile)
+    if rebuild_ffn_product is None:
+        rebuild_ffn_product = plan.ac == "none" and not plan.compile
+    set_rebuild_product(module, rebuild_ffn_product)
     apply_ac(module, plan.ac)
     if plan.compile:
         apply_compile(module)
@@ -218,9 +225,11 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
     weighted = workload is not None and workload.pp_weighted
     stages = pipeline_split(model, plan, meshes.pp, weighted) if plan.pp > 1 else [(0, model)]
     tp_activations = "gathered" if workload is None or workload.tp_keeps_gathered else "sharded"
+    rebuild = (None if workload is None else
+               workload.ffn_rebuilds_product(ac=plan.ac, compiled=plan.compile, float8=plan.float8))
     for _, module in stages:
         parallelize(module, plan, meshes, precision=precision, backend=backend, tp_activations=tp_activations,
-                    typecheck=typecheck)
+                    typecheck=typecheck, rebuild_ffn_product=rebuild)
     if device is not None:
         for _, module in stages:
             module.to_empty(device=device)
