@@ -197,7 +197,9 @@ FRAMEWORK_OF = {"korthikanti": "megatron-2022", "nemo-megatron-2022": "megatron-
                 "megatron-lm-2024": "megatron-lm",   # Megatron-LM 2023-24 runs stating no overlap flags (Nemotron-4)
                 # the Zero Bubble paper's Megatron-LM fork at its release (2023-12): no --use-flash-attn, default dropout
                 "zero-bubble-2023": "megatron-2022",
-                "deepseek-hai-llm": "deepseek-hai-llm"}   # cost_models/frameworks.py cites both stacks' facts
+                "deepseek-hai-llm": "deepseek-hai-llm",   # cost_models/frameworks.py cites both stacks' facts
+                # MT-NLG 530B's Megatron-DeepSpeed of 2021: the same regime, its 16-bit ZeRO-1 path (no BF16 optimizer)
+                "megatron-deepspeed-2021": "megatron-deepspeed"}
 # the sources whose framework holds Megatron's state (and fused kernels): the megatron rules below
 MEGATRON = tuple(k for k, v in FRAMEWORK_OF.items() if get_framework(v).fused_kernels)
 FSDP_STACKS = tuple(k for k in FRAMEWORK_OF if k not in MEGATRON)
@@ -396,8 +398,9 @@ def build_case(row) -> Case:
     # happening with BF16 optimizer"; the bf16 runs of 02-17 ran ZeRO-1's own bf16 path, DeepSpeed 8eef742 of 02-16)
     dated = re.findall(r"\b(\d\d)-(\d\d)\b", str(row["source"].get("row", "")))
     before_bf16_opt = bool(dated) and tuple(map(int, dated[-1])) < (2, 28)
-    fp16_ds = source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16")
-                                                       or "before the bf16 optimizer" in prec or before_bf16_opt)
+    fp16_ds = (source == "megatron-deepspeed-2021"     # DeepSpeed's BF16 optimizer came in 2022-03 (BLOOM)
+               or source == "megatron-deepspeed-2022" and ("predate the bf16 optimizer" in prec or prec.startswith("fp16")
+                                                           or "before the bf16 optimizer" in prec or before_bf16_opt))
     # the framework's regime (cost_models/frameworks.py, what `titan-plan estimate --framework` gives), then
     # what the row states
     fw = get_framework(FRAMEWORK_OF[source])
@@ -464,8 +467,8 @@ def build_case(row) -> Case:
                 reshard_after_forward=reshard, runnable=False)    # a what-if, as `titan-plan estimate`
     # ep over the TP ranks too (Megatron-core's folded expert layout): whole experts, as the estimate CLI takes them
     workload, _ = workload.for_expert_layout(plan.ep, plan.fsdp_size, plan.tp)
-    if ac is None:      # recompute not stated: the estimate CLI's choice without --ac
-        plans = [dataclasses.replace(plan, ac=a, runnable=False) for a in AC_ORDER]
+    if ac is None:      # recompute not stated: the estimate CLI's choice without --ac (among the regime's own)
+        plans = [dataclasses.replace(plan, ac=a, runnable=False) for a in AC_ORDER if a in (fw.ac_choices or AC_ORDER)]
         est = estimate(CandidateTable.from_plans(plans), model, hw, workload, Coefficients())
         plan = plans[choose_ac(plans, est)]
     measured = {}
