@@ -106,10 +106,13 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "the rest as "
                   "TorchTitan's (PyTorch FSDP2 and DTensor)"),
     Framework("deepseek-hai-llm", "DeepSeek's HAI-LLM (arXiv:2412.19437 Sec. 3.2-3.3: ZeRO-1, fused kernels, FP8)",
-              {**_MEGATRON, "moment_dtype": "bf16", "float8_cache": "fine_grained"},
+              {**_MEGATRON, "moment_dtype": "bf16", "float8_cache": "fine_grained", "selective_ac": "modules",
+               "recompute_modules": ("layernorm", "mla_up_proj", "moe_act")},
               why="ZeRO-1 data parallelism with fp32 master weights and gradients (Sec. 3.3.3), the megatron "
                   "layout's state and kernels; BF16 AdamW moments and the fine-grained FP8 activation caching "
-                  "of Sec. 3.3.3 (read with --float8)"),
+                  "of Sec. 3.3.3 (read with --float8); its selective recompute is the report's modules: 'We "
+                  "recompute all RMSNorm operations and MLA up-projections during back-propagation' (Sec. 3.2.3) "
+                  "and the SwiGLU output, whose inputs are cached (Sec. 3.3.3)"),
 )}
 ALIASES = {"nemo": "megatron-bridge"}         # NeMo 2 runs Megatron-core through the same recipes
 

@@ -156,3 +156,19 @@ def test_megatron_regimes_predict_their_fused_kernels_without_compile_flags():
     assert fsdp["plan"]["compile"] is False
     assert {n for n, f in FRAMEWORKS.items() if f.fused_kernels} == {
         "megatron-lm", "megatron-2022", "megatron-bridge", "megatron-deepspeed", "deepseek-hai-llm"}
+
+
+def test_deepseeks_regime_recomputes_the_reports_modules():
+    """HAI-LLM's selective recompute is the DeepSeek-V3 report's list (RMSNorm, MLA up-projections, the SwiGLU
+    output), so the report's layout (2,048 H800, PP 16, EP 64) asked without --ac takes it: it fits where Megatron's
+    core-attention recompute does not."""
+    fw = FRAMEWORKS["deepseek-hai-llm"]
+    assert fw.workload["selective_ac"] == "modules"
+    assert fw.workload["recompute_modules"] == ("layernorm", "mla_up_proj", "moe_act")
+    q = ["estimate", "--model", "deepseek-v3-671b", "--hardware", "h800", "--gpus", "2048", "--pp", "16", "--ep", "64",
+         "--seq-len", "4096", "--global-batch", "15360", "--json"]
+    doc = json.loads(planner_cli(*q, "--framework", "deepseek-hai-llm").stdout)
+    assert doc["plan"]["ac"] == "selective" and doc["predicted"]["peak_memory_gib"] < 78.6
+    assert doc["workload"]["recompute_modules"] == ["layernorm", "mla_up_proj", "moe_act"]
+    lm = json.loads(planner_cli(*q, "--framework", "megatron-lm", "--state-layout", "megatron").stdout)
+    assert lm["plan"]["ac"] == "full"          # core attention alone leaves the layout over the device
