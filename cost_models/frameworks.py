@@ -31,6 +31,26 @@ class Framework:
     why: str = ""                                    # where each setting comes from
     ac_choices: tuple[str, ...] | None = None        # the recompute settings its code has, when not all three
     #   (`titan-plan estimate` without --ac compares only these)
+    plan: Mapping[str, Any] = field(default_factory=dict)   # plan keys its runs set (`plan_defaults`)
+    one_unit_chunks: bool = False                    # its interleaved schedule's chunks are one unit each:
+    #   V = (layers + 2) / PP under the weighted split (`plan_defaults`)
+
+    def plan_defaults(self, layout: Mapping[str, Any], n_layers: int) -> dict[str, Any]:
+        """The plan keys this regime's runs set that `layout` (a question's partial plan) leaves out: compile for
+        the fused kernels (:attr:`fused_kernels`), the regime's `plan` keys (a schedule only with a pipeline), and
+        under `one_unit_chunks` an interleaved schedule's stages per rank.  `titan-plan estimate` applies them,
+        and bench/validate_reference.py maps its rows through the same."""
+        out: dict[str, Any] = {}
+        if self.fused_kernels and "compile" not in layout:
+            out["compile"] = True
+        pp = int(layout.get("pp") or 1)
+        for k, v in self.plan.items():
+            if k not in layout and (k not in ("schedule", "stages_per_rank") or pp > 1):
+                out[k] = v
+        if (self.one_unit_chunks and pp > 1 and "stages_per_rank" not in layout
+                and {**layout, **out}.get("schedule") == "Interleaved1F1B"):
+            out["stages_per_rank"] = max(1, (n_layers + 2) // pp)
+        return out
 
     @property
     def fused_kernels(self) -> bool:
@@ -93,7 +113,11 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused_ffn", "gqa_kv": "native",
                "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch",
                "pp_split": "weighted"},
-              why="its TP is Korthikanti et al.'s sequence parallelism (cited), which keeps the sequence shard; "
+              plan={"reshard_after_forward": False, "schedule": "Interleaved1F1B"}, one_unit_chunks=True,
+              why="'for model shards we do not reshard after forward computation'; 'we use an interleaved schedule "
+                  "with V pipeline stages on one pipeline rank', whose first chunk holds only the embedding once "
+                  "a layer is removed from the first and the last stage, so a chunk is one unit: V = (L + 2) / PP; "
+                  "its TP is Korthikanti et al.'s sequence parallelism (cited), which keeps the sequence shard; "
                   "'we balance the pipeline by reducing one Transformer layer each from the first and the last "
                   "stages' (the weighted split); "
                   "'we proactively deallocate ... the input and output tensors of each pipeline stage'; 'our use "

@@ -305,6 +305,16 @@ def _framework_workloads(args, d, q) -> dict[str, Any]:
     return out
 
 
+def _regime_plan_note(framework: str, key: str, value) -> str:
+    """One line for a plan key `key` the question left out and `framework`'s regime set (`Framework.plan_defaults`)."""
+    if key == "compile":
+        return (f"compile not given: on, for {framework}'s fused kernels (softmax, bias-activation, norm, loss); "
+                f"--no-compile predicts eager kernels")
+    flag = {"reshard_after_forward": "reshard", "stages_per_rank": "stages-per-rank"}.get(key, key)
+    shown = ("yes" if value else "no") if isinstance(value, bool) else value
+    return f"{flag} not given: '{shown}', {framework}'s (--{flag} to ask another)"
+
+
 def cmd_estimate(args) -> int:
     given, d = read_question(args.plan_file, args)
     where = f"{args.plan_file}: plan" if args.plan_file else "plan"
@@ -312,11 +322,9 @@ def cmd_estimate(args) -> int:
     model, hw, workload, gpus = q.model, q.hardware, q.workload, q.gpus
     # a what-if: layouts titan-run cannot run (the pipeline runtime's micro-batch rules) are still predicted
     layout, fw = estimate_layout(args, given), FRAMEWORKS[q.framework]
-    kernel_note = None
-    if "compile" not in layout and fw.fused_kernels:     # Megatron's hand-fused kernels: predicted as compiled
-        layout["compile"] = True
-        kernel_note = (f"compile not given: on, for {fw.name}'s fused kernels (softmax, bias-activation, norm, "
-                       f"loss); --no-compile predicts eager kernels")
+    regime_plan = fw.plan_defaults(layout, model.n_layers)     # what the regime's runs set, the question leaves out
+    layout.update(regime_plan)
+    regime_notes = [_regime_plan_note(fw.name, k, v) for k, v in regime_plan.items()]
     plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch,
                         where=where, workload=workload, model=model, ac_choices=fw.ac_choices)
     plan = plans[0]
@@ -340,8 +348,7 @@ def cmd_estimate(args) -> int:
         ac_note += f"; {q.framework} has no {' or '.join(lacks)} recompute"
     elif plan.ac in lacks:
         knob_notes = [*knob_notes, f"{q.framework} has no {plan.ac} recompute; predicted as asked (--ac {plan.ac})"]
-    if kernel_note:
-        knob_notes = [kernel_note, *knob_notes]
+    knob_notes = [*regime_notes, *knob_notes]
     knob_notes = [fold_note, *knob_notes] if fold_note else knob_notes
     not_runnable += workload_limits(plan, workload)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"

@@ -62,3 +62,47 @@ def test_layouts_only_titan_run_cannot_run_are_predicted_with_a_note(tmp_path):
     # pipeline ranks without any layer stay illegal
     r = planner_cli(*base, "--model", "llama3-debug", "--pp", "8")
     assert r.returncode == 2 and "layout is not legal" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# the plan flags a regime sets (`Framework.plan_defaults`), by plan key
+_PLAN_FLAG = {"compile": ("--compile", "--no-compile"), "reshard_after_forward": ("--reshard", "--no-reshard"),
+              "schedule": ("--schedule",), "stages_per_rank": ("--stages-per-rank",)}
+
+
+def _without_regime_flags(argv: list[str], keys) -> list[str]:
+    out, skip = [], False
+    flags = {f for k in keys for f in _PLAN_FLAG[k]}
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = a in ("--schedule", "--stages-per-rank")      # those take a value
+            continue
+        out.append(a)
+    return out
+
+
+def test_a_regimes_plan_keys_need_no_flags(tmp_path):
+    """A published row asked with `--framework NAME` and without the plan keys that framework's runs set (compile
+    for Megatron's fused kernels; the Llama 3 paper's interleaved schedule, one-unit chunks and no resharding) gets
+    the validator's plan and prediction: the CLI fills them in as the validator does."""
+    rows = {r["id"]: r for r in vr.load_extra_rows()}
+    ids = ["llama3paper_t4_405B_8192gpu_seq8k", "llama3paper_t4_405B_16384gpu_seq8k",
+           "llama3paper_t4_405B_16384gpu_seq128k", "mtnlg_530B_2240gpu", "dgxc_v25.01_gpt3-175b_bf16_128gpu"]
+    for rid in ids:
+        row = rows[rid]
+        case = vr.build_case(row)
+        fw = vr.get_framework(vr.FRAMEWORK_OF[row["framework"]])
+        keys = [k for k, v in fw.plan_defaults({"pp": case.plan.pp}, case.model.n_layers).items()
+                if getattr(case.plan, k) == v]
+        assert keys, rid
+        argv = _without_regime_flags(vr.cli_args(case, tmp_path), keys) + ["--framework", fw.name, "--json"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert planner_main(argv) == 0, (rid, argv)
+        doc = json.loads(out.getvalue())
+        assert vr.Plan.from_dict(doc["plan"], runnable=False).describe() == case.plan.describe(), rid
+        assert doc["predicted"]["tokens_per_s_per_gpu"] == pytest.approx(
+            vr.predict(case)["tokens_per_s_per_gpu"], rel=1e-4, abs=0.01), rid
+        assert any(n.startswith(("compile not given", "schedule not given")) for n in doc["knob_notes"]), rid
