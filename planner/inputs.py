@@ -205,8 +205,9 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--framework", metavar="NAME",
                    help="start from the workload keys and overlaps another framework's runs use, to check a "
                         "published configuration (workload flags and a plan file's workload: still win): "
-                        + framework_help() + " (default titan-run). The Megatron stacks are estimated with "
-                        "their fused kernels, as --compile, unless --compile / --no-compile says otherwise")
+                        + framework_help() + " (default titan-run). A regime also fills in the plan keys its "
+                        "runs set that the question leaves out, with a note: the Megatron stacks' fused kernels "
+                        "(as --compile), llama3-meta's interleaved schedule and no reshard")
     w = p.add_argument_group("workload (each also a key of a plan file's 'workload:')")
     w.add_argument("--seq-len", type=int, help="sequence length (default: 8192, or 256 for debug models)")
     g = w.add_mutually_exclusive_group()
