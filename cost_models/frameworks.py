@@ -32,6 +32,7 @@ class Framework:
     ac_choices: tuple[str, ...] | None = None        # the recompute settings its code has, when not all three
     #   (`titan-plan estimate` without --ac compares only these)
     plan: Mapping[str, Any] = field(default_factory=dict)   # plan keys its runs set (`plan_defaults`)
+    reshard: tuple[bool, bool] | None = None         # FSDP's reshard_after_forward without / with a pipeline
     one_unit_chunks: bool = False                    # its interleaved schedule's chunks are one unit each:
     #   V = (layers + 2) / PP under the weighted split (`plan_defaults`)
 
@@ -44,6 +45,8 @@ class Framework:
         if self.fused_kernels and "compile" not in layout:
             out["compile"] = True
         pp = int(layout.get("pp") or 1)
+        if self.reshard is not None and "reshard_after_forward" not in layout:
+            out["reshard_after_forward"] = self.reshard[pp > 1]
         for k, v in self.plan.items():
             if k not in layout and (k not in ("schedule", "stages_per_rank") or pp > 1):
                 out[k] = v
@@ -69,7 +72,10 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               {"selective_ac": "op", "norm_impl": "composite", "gqa_kv": "expanded",
                "pp_recv_buffers": "persistent", "loss_impl": "compiled", "swiglu_impl": "eager",
                "pp_grad_sync": "last_microbatch", "pp_sent_tensors": "kept"},
-              why="selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
+              reshard=(True, False),
+              why="FSDP reshards after forward except under a pipeline (reshard_after_forward_policy 'default': "
+                  "'not pp_enabled', torchtitan/distributed/fsdp.py: 'For PP, do not reshard after forward to avoid "
+                  "per-microbatch all-gathers'); selective AC is TorchTitan's op policy (activation_checkpoint.selective_ac_option = 'op': "
                   "every other matmul output kept); its norms are PyTorch's nn.RMSNorm (eager ops, fused by "
                   "Inductor when compiled); its llama Attention repeats K and V to n_heads (repeat_kv) before "
                   "F.scaled_dot_product_attention, without enable_gqa (torchtitan/models/llama/model.py), so "
@@ -81,7 +87,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "wait every send at the end of the step, holding the sent tensors"),
     Framework("composer", "MosaicML Composer / llm-foundry (PyTorch FSDP)",
               {"selective_ac": "op", "loss_impl": "fused", "swiglu_impl": "eager"},
-              why="llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy); its GLU FFN is the plain "
+              reshard=(True, True),
+              why="PyTorch FSDP's FULL_SHARD (llm-foundry's default sharding_strategy): resharded after forward; "
+                  "llm-foundry's fused cross-entropy (loss_fn: fused_crossentropy); its GLU FFN is the plain "
                   "code, act(gate(x)) * up(x)"),
     Framework("megatron-lm", "Megatron-LM / Megatron-core with the distributed optimizer",
               dict(_MEGATRON),
@@ -113,7 +121,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               {"selective_ac": "op", "norm_impl": "fused", "swiglu_impl": "fused_ffn", "gqa_kv": "native",
                "tp_activations": "sharded", "pp_sent_tensors": "freed", "pp_grad_sync": "every_microbatch",
                "pp_split": "weighted"},
-              plan={"reshard_after_forward": False, "schedule": "Interleaved1F1B"}, one_unit_chunks=True,
+              plan={"schedule": "Interleaved1F1B"}, one_unit_chunks=True, reshard=(False, False),
               why="'for model shards we do not reshard after forward computation'; 'we use an interleaved schedule "
                   "with V pipeline stages on one pipeline rank', whose first chunk holds only the embedding once "
                   "a layer is removed from the first and the last stage, so a chunk is one unit: V = (L + 2) / PP; "

@@ -311,8 +311,10 @@ def _regime_plan_note(framework: str, key: str, value) -> str:
         return (f"compile not given: on, for {framework}'s fused kernels (softmax, bias-activation, norm, loss); "
                 f"--no-compile predicts eager kernels")
     flag = {"reshard_after_forward": "reshard", "stages_per_rank": "stages-per-rank"}.get(key, key)
-    shown = ("yes" if value else "no") if isinstance(value, bool) else value
-    return f"{flag} not given: '{shown}', {framework}'s (--{flag} to ask another)"
+    if isinstance(value, bool):
+        other = f"--no-{flag}" if value else f"--{flag}"
+        return f"{flag} not given: '{'yes' if value else 'no'}', {framework}'s ({other} to ask the other)"
+    return f"{flag} not given: '{value}', {framework}'s (--{flag} to ask another)"
 
 
 def cmd_estimate(args) -> int:

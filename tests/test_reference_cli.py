@@ -89,7 +89,8 @@ def test_a_regimes_plan_keys_need_no_flags(tmp_path):
     the validator's plan and prediction: the CLI fills them in as the validator does."""
     rows = {r["id"]: r for r in vr.load_extra_rows()}
     ids = ["llama3paper_t4_405B_8192gpu_seq8k", "llama3paper_t4_405B_16384gpu_seq8k",
-           "llama3paper_t4_405B_16384gpu_seq128k", "mtnlg_530B_2240gpu", "dgxc_v25.01_gpt3-175b_bf16_128gpu"]
+           "llama3paper_t4_405B_16384gpu_seq128k", "mtnlg_530B_2240gpu", "dgxc_v25.01_gpt3-175b_bf16_128gpu",
+           "torchtitan_T5_405B_512gpu_1F1B", "torchtitan_perf202404_llama3_8B_64gpu_lb1_ac_selective_op"]
     for rid in ids:
         row = rows[rid]
         case = vr.build_case(row)
@@ -105,4 +106,5 @@ def test_a_regimes_plan_keys_need_no_flags(tmp_path):
         assert vr.Plan.from_dict(doc["plan"], runnable=False).describe() == case.plan.describe(), rid
         assert doc["predicted"]["tokens_per_s_per_gpu"] == pytest.approx(
             vr.predict(case)["tokens_per_s_per_gpu"], rel=1e-4, abs=0.01), rid
-        assert any(n.startswith(("compile not given", "schedule not given")) for n in doc["knob_notes"]), rid
+        assert any(n.startswith(("compile not given", "schedule not given", "reshard not given"))
+                   for n in doc["knob_notes"]), rid
