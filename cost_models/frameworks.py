@@ -52,7 +52,11 @@ class Framework:
                 out[k] = v
         if (self.one_unit_chunks and pp > 1 and "stages_per_rank" not in layout
                 and {**layout, **out}.get("schedule") == "Interleaved1F1B"):
-            out["stages_per_rank"] = max(1, (n_layers + 2) // pp)
+            v = (n_layers + 2) // pp
+            if v >= 2:
+                out["stages_per_rank"] = v
+            elif "schedule" in out:        # one unit per stage at most: no interleaving to default to
+                del out["schedule"]
         return out
 
     @property

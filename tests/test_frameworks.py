@@ -172,3 +172,21 @@ def test_deepseeks_regime_recomputes_the_reports_modules():
     assert doc["workload"]["recompute_modules"] == ["layernorm", "mla_up_proj", "moe_act"]
     lm = json.loads(planner_cli(*q, "--framework", "megatron-lm", "--state-layout", "megatron").stdout)
     assert lm["plan"]["ac"] == "full"          # core attention alone leaves the layout over the device
+
+
+def test_plan_defaults_fill_only_what_is_left_out():
+    """`Framework.plan_defaults`: the regime's plan keys where the question gives none, a schedule only with a
+    pipeline, the Llama 3 paper's one-unit chunks only where a rank gets two or more (else no interleaving)."""
+    meta, tt, lm = FRAMEWORKS["llama3-meta"], FRAMEWORKS["torchtitan"], FRAMEWORKS["megatron-lm"]
+    assert meta.plan_defaults({"pp": 16}, 126) == {"reshard_after_forward": False, "schedule": "Interleaved1F1B",
+                                                   "stages_per_rank": 8}
+    assert meta.plan_defaults({"pp": 1}, 126) == {"reshard_after_forward": False}
+    assert meta.plan_defaults({"pp": 128}, 126) == {"reshard_after_forward": False}      # < 2 units a rank
+    assert meta.plan_defaults({"pp": 16, "schedule": "1F1B", "reshard_after_forward": True}, 126) == {}
+    assert meta.plan_defaults({"pp": 16, "schedule": "Interleaved1F1B"}, 126) == {"reshard_after_forward": False,
+                                                                                    "stages_per_rank": 8}
+    assert tt.plan_defaults({"pp": 1}, 32) == {"reshard_after_forward": True}
+    assert tt.plan_defaults({"pp": 4}, 32) == {"reshard_after_forward": False}
+    assert lm.plan_defaults({}, 32) == {"compile": True}
+    assert lm.plan_defaults({"compile": False}, 32) == {}
+    assert FRAMEWORKS["titan-run"].plan_defaults({"pp": 8}, 32) == {}
