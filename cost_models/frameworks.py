@@ -39,8 +39,8 @@ class Framework:
     def plan_defaults(self, layout: Mapping[str, Any], n_layers: int) -> dict[str, Any]:
         """The plan keys this regime's runs set that `layout` (a question's partial plan) leaves out: compile for
         the fused kernels (:attr:`fused_kernels`), the regime's `plan` keys (a schedule only with a pipeline), and
-        under `one_unit_chunks` an interleaved schedule's stages per rank.  `titan-plan estimate` applies them,
-        and bench/validate_reference.py maps its rows through the same."""
+        under `one_unit_chunks` an interleaved schedule's stages per rank.  `titan-plan estimate` applies them;
+        bench/validate_reference.py's rules for its rows give the same plans (tests/test_reference_cli.py)."""
         out: dict[str, Any] = {}
         if self.fused_kernels and "compile" not in layout:
             out["compile"] = True
