@@ -67,12 +67,7 @@ def stated_workload(case, row) -> list[str]:
     if par.get("async_tp") or "asynctp" in text.replace(" ", "").replace("-", ""):
         keys.append("tp_comm_overlap")                   # the row's async TP
     for k in dict.fromkeys(keys):
-        v = getattr(wl, k)
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            argv.append(flag if v else "--no-" + flag[2:])
-        else:
-            argv += [flag, ",".join(v) if isinstance(v, tuple) else str(v)]
+        argv += vr.workload_flag(k, getattr(wl, k))
     return argv
 
 

@@ -633,15 +633,17 @@ def cli_args(case: Case, folder: Path) -> list[str]:
         argv += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [flag, str(v)]
     default = Workload(seq_len=wl.seq_len, global_batch=wl.global_batch)
     for key in Workload.__dataclass_fields__:
-        v = getattr(wl, key)
-        if key in ("seq_len", "global_batch") or v == getattr(default, key):
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(v, bool):
-            argv.append(flag if v else "--no-" + flag[2:])
-        else:
-            argv += [flag, ",".join(v) if isinstance(v, tuple) else str(v)]
+        if key not in ("seq_len", "global_batch") and getattr(wl, key) != getattr(default, key):
+            argv += workload_flag(key, getattr(wl, key))
     return argv
+
+
+def workload_flag(key: str, value) -> list[str]:
+    """A workload key's value as `titan-plan estimate` flags: --[no-]key for a boolean, lists comma-joined."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    return [flag, ",".join(value) if isinstance(value, tuple) else str(value)]
 
 
 def evaluate(cases, coeffs: Coefficients | None = None) -> list[dict]:
