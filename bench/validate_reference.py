@@ -364,13 +364,19 @@ def build_case(row) -> Case:
         raise ValueError("float8 rowwise scaling is a different recipe from the tensorwise float8 the plan models")
     async_tp = bool(par.get("async_tp")) or "asynctp" in text.replace(" ", "").replace("-", "")
     vpp = par.get("vpp")
-    schedule, v = ("1F1B", 1)
+    fw = get_framework(FRAMEWORK_OF[source])
+    # the plan keys the row leaves out and its framework's runs set (Framework.plan_defaults, as `titan-plan
+    # estimate --framework` fills them in): Megatron's fused kernels as compiled, the Llama 3 paper's interleaved
+    # one-unit chunks and no resharding, TorchTitan's resharding except under a pipeline
+    stated_plan = {"pp": pp, **({"schedule": "stated"} if pp > 1 and (vpp and int(vpp) > 1 or str(
+        par.get("schedule", "")).startswith("DualPipe")) else {}),
+        **({"reshard_after_forward": None} if par.get("sharding_strategy") else {}),
+        **({"compile": None} if str(par.get("compile", "")).strip() or "compile" in text
+           or "asynctp" in rid.lower() else {})}
+    regime_plan = fw.plan_defaults(stated_plan, model.n_layers)
+    schedule, v = regime_plan.get("schedule", "1F1B"), regime_plan.get("stages_per_rank", 1)
     if pp > 1 and vpp and int(vpp) > 1:
         schedule, v = "Interleaved1F1B", int(vpp)
-    elif pp > 1 and source == "llama3-meta":
-        # the paper's interleaved schedule: its first chunk holds only the embedding once one layer is
-        # removed from the first and the last stage (the weighted split), so a chunk is one unit: V = (L + 2) / PP
-        schedule, v = "Interleaved1F1B", max(1, (model.n_layers + 2) // pp)
     elif pp > 1 and str(par.get("schedule", "")).startswith("DualPipe"):
         # DualPipe (pp ranks, rank r holding stages r and pp-1-r for the two directions) as DualPipeV, its cut-in-
         # half form over the same ranks: about the same activations per device (DualPipe PP + 1 micro-batches of
@@ -381,7 +387,7 @@ def build_case(row) -> Case:
     materialized = source in MATERIALIZED
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
     zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
-    compile_ = megatron or "compile" in text or "asynctp" in rid.lower()
+    compile_ = regime_plan.get("compile", False) or "compile" in text or "asynctp" in rid.lower()
     stated = str(par.get("compile", "")).lower()        # a row's own compile field, where it says on or off
     if stated.startswith(("torch.compile on", "on", "true")):
         compile_ = True
@@ -403,7 +409,6 @@ def build_case(row) -> Case:
                                                            or "before the bf16 optimizer" in prec or before_bf16_opt))
     # the framework's regime (cost_models/frameworks.py, what `titan-plan estimate --framework` gives), then
     # what the row states
-    fw = get_framework(FRAMEWORK_OF[source])
     kw = dict(fw.workload)
     if state == "fsdp2":        # a Megatron row run with FSDP keeps FSDP's state
         for k in ("state_layout", "zero", "grad_dtype"):
@@ -447,14 +452,12 @@ def build_case(row) -> Case:
     workload = Workload(seq_len=seq, global_batch=gb, **kw)
     if dp * mb == 0 or gb % (dp * mb):
         raise ValueError(f"global batch {gb} not divisible by dp*microbatch = {dp}*{mb}")
-    reshard = str(par.get("sharding_strategy", "FULL_SHARD")).upper() != "SHARD_GRAD_OP"
-    if source == "llama3-meta":
-        reshard = False    # the paper: "for model shards we do not reshard after forward computation"
-    if source == "torchtitan" and pp > 1:
-        # TorchTitan keeps a pipeline's blocks gathered: "For PP, do not reshard after forward to avoid per-
-        # microbatch all-gathers" (apply_fsdp, torchtitan/parallelisms/parallelize_llama.py at 9dec370; the
-        # "default" reshard_after_forward_policy, `not pp_enabled`, in torchtitan/distributed/fsdp.py since)
-        reshard = False
+    # FSDP1's strategy as the row states it (FULL_SHARD, HYBRID_SHARD: resharded; SHARD_GRAD_OP: kept), else the
+    # regime's (llama3-meta: "we do not reshard after forward"; TorchTitan: not under a pipeline), else resharded
+    if par.get("sharding_strategy"):
+        reshard = str(par["sharding_strategy"]).upper() != "SHARD_GRAD_OP"
+    else:
+        reshard = regime_plan.get("reshard_after_forward", True)
     # FSDP1's HYBRID_SHARD without its own process groups shards within a node and replicates across nodes
     # (torch.distributed.fsdp _init_utils: the intra-node group has the device count of the node)
     hybrid = str(par.get("sharding_strategy", "")).upper() == "HYBRID_SHARD"
