@@ -5,11 +5,22 @@ after forward; the executor turns it on exactly for eager blocks without activat
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from cost_models.estimate import estimate
+from cost_models.specs import load_hardware, load_model
+from cost_models.workload import Workload
+from search_spaces.plan import Plan
+from search_spaces.table import CandidateTable
 from executor.models.layers import FeedForward
 from executor.models.moe import GroupedExperts
 from executor.parallel.parallelize import set_rebuild_product
@@ -111,29 +122,14 @@ print("OK")
 def test_dtensor_tp_rebuilds_its_rowwise_input():
     """Under DTensor TP, torch's RowwiseParallel wraps the local product in a DTensor whose local tensor aliases
     it: that DTensor is rebuilt too (one gloo process, world 1: a real process group, not a mock)."""
-    import subprocess
-    import sys
-    from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], cwd=root, capture_output=True, text=True,
-                       timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-2000:]
 
 
 def _dry_run_act(tmp_path, swiglu_impl: str) -> tuple[float, float]:
     """The FakeTensor dry run's activation bytes and the cost model's, on rank 0 of a 2-rank FSDP plan."""
-    import json
-    import subprocess
-    import sys
-
-    import yaml
-
-    from cost_models.estimate import estimate
-    from cost_models.specs import load_hardware, load_model
-    from cost_models.workload import Workload
-    from search_spaces.plan import Plan
-    from search_spaces.table import CandidateTable
-
     plan = Plan(dp_shard=2, microbatch=2, n_microbatches=1)
     workload = {"seq_len": 256, "global_batch": 4, "dtype": "fp32", "swiglu_impl": swiglu_impl}
     f = tmp_path / f"plan_{swiglu_impl}.yaml"
@@ -152,8 +148,6 @@ def test_a_plan_keeping_the_product_runs_without_the_rebuild(tmp_path):
     memory model reads it; `auto` rebuilds on eager blocks without recompute.  The dry run's activations differ
     by the kept products, as the model's do: one FFN-width tensor per layer, less the one the rebuilding
     backward makes again at the peak (the last layer's, when the backward starts)."""
-    from cost_models.specs import load_model
-
     auto_run, auto_model = _dry_run_act(tmp_path, "auto")
     kept_run, kept_model = _dry_run_act(tmp_path, "fused")
     spec = load_model("llama3-debug")
