@@ -51,11 +51,11 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
         for j, v in enumerate(variants):
             if j and not runnable_under(v, [c.plan]):
                 continue
-            if v.pp_grad_sync != w.pp_grad_sync and fitted.get(v.tp_activations):
+            if v.pp_grad_sync != w.pp_grad_sync and fitted.get((v.tp_activations, v.selective_ac)):
                 continue            # a sync per micro-batch only where the default sync does not fit (as the estimate)
             preds.append(vr.predict(dataclasses.replace(c, workload=v)))
             if v.pp_grad_sync == w.pp_grad_sync:
-                fitted[v.tp_activations] = preds[-1]["fits"]
+                fitted[(v.tp_activations, v.selective_ac)] = preds[-1]["fits"]
         b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds])]
         if c.trained:
             trained += 1

@@ -100,10 +100,10 @@ def layer_activation_terms(model, workload, moe: bool, ac: str, compiled: bool,
         t = np.zeros(N_TERMS)
         t[SEQ] = (4.0 if workload.dtype == "fp32" else 2.0) * model.dim
         return t
-    if ac == "selective" and workload.selective_ac in ("op", "matmul"):
+    if ac == "selective" and workload.selective_policy in ("op", "matmul"):
         return _selective_kept_terms(model, workload, moe, f8_fraction)
     # no recomputation, the attention-core policy (which only removes the core's tensors) or modules
-    core_dropped = ac == "selective" and (workload.selective_ac == "attention" or workload.recomputes("core_attn"))
+    core_dropped = ac == "selective" and (workload.selective_policy == "attention" or workload.recomputes("core_attn"))
     saved = _saved_bytes(workload, 4.0 if workload.dtype == "fp32" else 2.0, f8_fraction, float8)
     # `block_ac`: the AC mode of the block whose forward this is (a checkpointed block's recompute keeps what
     # ac none keeps, with titan-run's rebuilt FFN input off: `Workload.ffn_rebuilds_product`)
@@ -124,7 +124,7 @@ def _selective_kept_terms(model, workload, moe: bool, f8_fraction: float) -> np.
     gathered = workload.tp_keeps_gathered
     row_out = FULL if gathered else SEQ               # a row-parallel matmul's output
     t = np.zeros(N_TERMS)
-    every = workload.selective_ac == "matmul"
+    every = workload.selective_policy == "matmul"
     t[SEQ] = e * h                                    # block input
     for i, m in enumerate(layer_matmuls(model, moe)):
         if i % 2 and not every:                       # 'op': 2nd, 4th, ... matmuls are recomputed

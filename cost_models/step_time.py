@@ -142,7 +142,7 @@ def _tp_collectives(table, model, workload, tp_link, r: Rates, tokens, tp) -> tu
     n = len(table)
     sel = table.is_ac("selective")
     full = table.is_ac("full")
-    op_sac = sel & (workload.selective_ac == "op")
+    op_sac = sel & (workload.selective_policy == "op")
     tp_one = ring_gather_time(tp, tokens * model.dim * r.elt, tp_link.bw, tp_link.alpha)
     # sequence-sharded saves (tp_activations) re-gather the QKV and FFN inputs in backward (2), as
     # the 'op' policy's recomputed matmuls do; a recomputed dense MLP repeats its all-gather and
@@ -242,9 +242,9 @@ def _block_times(table, model, workload, coeffs, r: Rates, moe: bool, tokens, tp
     tp_one, tp_rec, n_coll, sides = tp_coll
     sp = tp if workload.sequence_parallel else np.ones(len(table))
     ac_full, ac_sel = table.is_ac("full"), table.is_ac("selective")
-    op_sac = ac_sel & (workload.selective_ac == "op")
-    mm_sac = ac_sel & (workload.selective_ac == "matmul")
-    att_sac = ac_sel & (workload.selective_ac == "attention")
+    op_sac = ac_sel & (workload.selective_policy == "op")
+    mm_sac = ac_sel & (workload.selective_policy == "matmul")
+    att_sac = ac_sel & (workload.selective_policy == "attention")
     compiled = table.compile
     mm = matmul_times(table, model, workload, coeffs, r, moe)
     g_f, g_rec = gemm_sums(mm)

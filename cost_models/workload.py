@@ -35,9 +35,11 @@ class Workload:
     scores (Megatron-LM without flash attention; the 5as/h term of Korthikanti et al.
     2022), ``dropout`` keeps dropout masks, ``sequence_parallel: false`` replicates the
     norm/dropout activations over TP ranks (Korthikanti Table 2, "tensor parallel"), and
-    ``selective_ac`` says what ``ac: selective`` keeps: ``matmul`` (this executor: every
-    matmul, attention and collective output; pointwise ops are recomputed), ``op``
-    (TorchTitan's per-op policy: every other matmul output and the attention outputs) or
+    ``selective_ac`` says what ``ac: selective`` keeps: ``matmul`` (every matmul, attention and
+    collective output; pointwise ops are recomputed), ``op`` (TorchTitan's per-op policy: every
+    other matmul output, the attention outputs and the reduce-scatters) -- titan-run runs both;
+    ``auto`` (the default) is ``matmul``, or ``op`` where `titan-plan estimate` finds that only
+    it lets a faster layout fit (`selective_policy`) -- or
     ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3) or
     ``modules`` (Megatron-core's ``recompute_granularity: selective`` with the submodules named by
     ``recompute_modules``; see below).
@@ -231,7 +233,7 @@ class Workload:
     attention_impl: Literal["fused", "materialized"] = "fused"   # fused: flash / SDPA
     dropout: bool = False
     sequence_parallel: bool = True                            # with tp > 1
-    selective_ac: Literal["matmul", "op", "attention", "modules"] = "matmul"
+    selective_ac: Literal["auto", "matmul", "op", "attention", "modules"] = "auto"
     recompute_modules: tuple[Literal[RECOMPUTE_MODULES], ...] = ("core_attn",)   # with selective_ac: modules
     tp_activations: Literal["auto", "gathered", "sharded"] = "auto"   # what TP blocks keep of gathered tensors
     ep_a2a_overlap: Literal["none", "combined_1f1b"] = "none"   # MoE all-to-alls under the other micro-batch
@@ -346,6 +348,11 @@ class Workload:
     def moment_elem_bytes(self) -> float:
         """Bytes of one AdamW moment element (``moment_dtype``); the optimizer keeps two per parameter."""
         return 2.0 if self.moment_dtype == "bf16" else 4.0
+
+    @property
+    def selective_policy(self) -> str:
+        """``selective_ac`` with ``auto`` resolved: ``matmul``, titan-run's default policy."""
+        return "matmul" if self.selective_ac == "auto" else self.selective_ac
 
     @property
     def tp_keeps_gathered(self) -> bool:

@@ -296,8 +296,9 @@ def default_plan_dict(given: dict, world_size: int, global_batch: Any) -> dict:
 # --------------------------------------------------------------------------- validation
 # workload keys that describe other frameworks to the planner: (key, titan-run runs it, what titan-run does)
 _OTHER_FRAMEWORKS = (
-    ("selective_ac", lambda wl: wl.selective_ac == "matmul",
-     "titan-run's selective checkpointing keeps every matmul output (matmul"),
+    ("selective_ac", lambda wl: wl.selective_policy in ("matmul", "op"),
+     "titan-run's selective checkpointing keeps every matmul output or every other one, TorchTitan's per-op "
+     "policy (auto, matmul or op"),
     ("norm_impl", lambda wl: wl.norm_impl == "auto", "titan-run's norm is eager, fused under compile (auto"),
     ("swiglu_impl", lambda wl: wl.swiglu_fused and not wl.swiglu_recomputes_product,
      "titan-run's SwiGLU is one activation Function keeping gate and up (auto or fused"),

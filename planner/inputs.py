@@ -43,9 +43,10 @@ WORKLOAD_HELP = {
     "dropout": "dropout masks kept for backward (default no)",
     "sequence_parallel": "sequence parallel with tp > 1 (default yes; no = norm/dropout activations "
                          "replicated over tp ranks)",
-    "selective_ac": "what 'ac: selective' keeps: matmul (this executor, default), op (TorchTitan's per-op "
-                    "policy), attention (Megatron: recompute the attention core only) or modules (Megatron's "
-                    "recompute_modules, see --recompute-modules)",
+    "selective_ac": "what 'ac: selective' keeps: matmul (every matmul output) or op (TorchTitan's per-op "
+                    "policy: every other one), both run by this executor; auto (default: matmul, or op where "
+                    "only it lets the faster setting fit; estimate says which); attention (Megatron: recompute "
+                    "the attention core only) or modules (Megatron's recompute_modules, see --recompute-modules)",
     "recompute_modules": "with --selective-ac modules: comma-separated Megatron-core submodules to recompute, "
                          "of core_attn (default), layernorm, mla_up_proj, mlp, moe_act, moe, shared_experts",
     "tp_activations": "what a TP block keeps of its gathered tensors: auto (default: gathered for fsdp2, sharded "

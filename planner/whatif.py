@@ -155,8 +155,9 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
       (``sharded``, which titan-run runs on spmd_types, eager, ac none or full, no float8); ``pp_grad_sync``
       with a pipeline whose FSDP shards (pp > 1, dp_shard x cp > 1): the gradients reduce-scattered after the last
       micro-batch and after every one (``every_microbatch``: no unsharded gradients accumulated; not on the V
-      schedules; estimated on the plans that do not fit with the default sync only); every combination, the
-      defaults first.
+      schedules; estimated on the plans that do not fit with the default sync only); ``selective_ac`` with a
+      plan under ``ac: selective``: every matmul output kept and TorchTitan's per-op policy (``op``: every other
+      matmul recomputed); every combination, the defaults first.
 
     Otherwise just `workload`."""
     if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
@@ -168,6 +169,8 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
         choices.append([{}, {"tp_activations": "sharded"}])
     if workload.pp_grad_sync == "auto" and any(p.pp > 1 and p.fsdp_size > 1 and not p.is_v_schedule for p in plans):
         choices.append([{}, {"pp_grad_sync": "every_microbatch"}])
+    if workload.selective_ac == "auto" and any(p.ac == "selective" for p in plans):
+        choices.append([{}, {"selective_ac": "op"}])
     if not choices:
         return [workload], "first_fit"
     variants = [dataclasses.replace(workload, **{k: v for c in combo for k, v in c.items()})
@@ -181,7 +184,9 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
 _CHOSEN_KEYS = (("tp_activations", "tp-activations",
                  "each TP block keeps its sequence shard and all-gathers it again in backward"),
                 ("pp_grad_sync", "pp-grad-sync",
-                 "each micro-batch's gradients are reduce-scattered into the shard, none accumulated unsharded"))
+                 "each micro-batch's gradients are reduce-scattered into the shard, none accumulated unsharded"),
+                ("selective_ac", "selective-ac",
+                 "TorchTitan's per-op policy: ac selective recomputes every other matmul of a block too"))
 
 
 def _changed(base, w) -> int:
@@ -192,7 +197,8 @@ def _changed(base, w) -> int:
 def _variant_label(w, keys: list[str]) -> str:
     """`w`'s values of `keys` (those the variants differ in), ``auto`` shown as what it runs."""
     shown = {"tp_activations": lambda v: "gathered" if v == "auto" else v,
-             "pp_grad_sync": lambda v: "last_microbatch" if v == "auto" else v}
+             "pp_grad_sync": lambda v: "last_microbatch" if v == "auto" else v,
+             "selective_ac": lambda v: "matmul" if v == "auto" else v}
     return ", ".join(shown[k](getattr(w, k)) for k in keys)
 
 
@@ -242,17 +248,17 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
     # the plans titan-run runs it on.  A sync per micro-batch only on the plans that do not fit with the question's
     # sync (and the same TP regime): it is taken for the memory it saves, as the search takes it
     # (`planner.rank.plan_candidates`), so a plan that fits keeps the default sync
-    fitted: dict[str, set[int]] = {}
+    fitted: dict[tuple[str, str], set[int]] = {}
     pairs, runs = [], []
     for j, w in enumerate(variants):
         ps = plans if j == 0 else runnable_under(w, plans)
         if w.pp_grad_sync != workload.pp_grad_sync:
-            ps = [p for p in ps if id(p) not in fitted.get(w.tp_activations, set())]
+            ps = [p for p in ps if id(p) not in fitted.get((w.tp_activations, w.selective_ac), set())]
         if not ps:
             continue
         r = estimate_choosing_ac(ps, model, hw, w, coeffs)
         if w.pp_grad_sync == workload.pp_grad_sync:
-            fitted[w.tp_activations] = {id(p) for p, f in zip(ps, r[1].fits) if f}
+            fitted[(w.tp_activations, w.selective_ac)] = {id(p) for p, f in zip(ps, r[1].fits) if f}
         pairs.append((w, ps))
         runs.append(r)
     variants = [w for w, _ in pairs]

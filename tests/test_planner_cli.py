@@ -372,7 +372,8 @@ def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
     assert chosen["knob_notes"] == [n for n in chosen["knob_notes"] if n.startswith("reshard not given")]
     assert chosen["knob_notes"][0].startswith(f"reshard not given: '{'yes' if best else 'no'}', the fastest setting")
     assert both[True]["knob_notes"] == [] and both[False]["knob_notes"] == []
-    assert _estimate_json(capsys, *BASE_8B, "--dp-shard", "1", "--dp-replicate", "16")["knob_notes"] == []
+    hsdp = _estimate_json(capsys, *BASE_8B, "--dp-shard", "1", "--dp-replicate", "16")["knob_notes"]
+    assert not [n for n in hsdp if n.startswith("reshard")], hsdp
     mega = _estimate_json(capsys, *args, "--state-layout", "megatron", "--zero", "1")
     assert mega["knob_notes"] == [] and mega["plan"]["reshard_after_forward"] is True
     assert main(["estimate", *args]) == 0
@@ -426,3 +427,30 @@ def test_nothing_fits_names_the_smallest_world_that_does(tmp_path):
     assert Plan.from_dict(picked).layout_str() == layout, (picked, layout)
     half = run_cli(*q, "--gpus", str(k // 2), "--out", str(tmp_path / "h.yaml"))
     assert half.returncode == 2 and "no layout fits in memory" in half.stderr
+
+
+# TorchTitan's 8B on 8 nodes of 96 GB H100s, TP 8, 12 sequences of 8K per micro-batch (the shared reference's async-TP
+# rows): selective checkpointing fits under TorchTitan's per-op policy only
+TT_8B_TP8 = ["--model", "llama3-8b", "--gpus", "64", "--hardware", "h100-96g-500w", "--seq-len", "8192",
+             "--global-batch", "96", "--tp", "8", "--microbatch", "12", "--compile"]
+
+
+def test_estimate_without_selective_ac_takes_the_policy_that_fits(capsys):
+    """Without --selective-ac (titan-run runs both policies) the estimate keeps every matmul output where that fits
+    and takes TorchTitan's per-op policy where only it lets the faster setting fit, saying so; given, it is kept."""
+    chosen = _estimate_json(capsys, *TT_8B_TP8, "--ac", "selective")
+    op = _estimate_json(capsys, *TT_8B_TP8, "--ac", "selective", "--selective-ac", "op")
+    matmul = _estimate_json(capsys, *TT_8B_TP8, "--ac", "selective", "--selective-ac", "matmul")
+    assert matmul["predicted"]["headroom_gib"] < 0 <= op["predicted"]["headroom_gib"]
+    assert op["predicted"]["peak_memory_gib"] < matmul["predicted"]["peak_memory_gib"]
+    assert op["predicted"]["step_time_s"] > matmul["predicted"]["step_time_s"]     # the recomputed matmuls
+    assert chosen["workload"]["selective_ac"] == "op" and chosen["predicted"] == op["predicted"]
+    assert chosen["knob_notes"][0].startswith("selective-ac not given: 'op' (TorchTitan's per-op policy")
+    assert not [n for n in op["knob_notes"] + matmul["knob_notes"] if n.startswith("selective-ac")]
+    # without --ac: selective under the per-op policy is faster than full recompute, and fits
+    free = _estimate_json(capsys, *TT_8B_TP8)
+    assert free["plan"]["ac"] == "selective" and free["workload"]["selective_ac"] == "op"
+    # where every matmul output fits, the default policy stays and nothing is said
+    small = _estimate_json(capsys, *TT_8B_TP8[:-3], "--microbatch", "1", "--ac", "selective")
+    assert small["workload"]["selective_ac"] == "auto"
+    assert not [n for n in small["knob_notes"] if n.startswith("selective-ac")]

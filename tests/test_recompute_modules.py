@@ -130,7 +130,8 @@ def test_bad_values_are_one_line_exit_2(args, message):
     assert r.returncode == 2 and "--tp-activations: invalid choice: 'half'" in r.stderr
 
 
-@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "op"), ("norm_impl", "fused")])
+@pytest.mark.parametrize("key,value", [("selective_ac", "modules"), ("selective_ac", "attention"),
+                                       ("norm_impl", "fused")])
 def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
     from executor.config import ConfigError, load_run_config
     f = tmp_path / "plan.yaml"
@@ -139,6 +140,14 @@ def test_titan_run_refuses_what_it_does_not_run(tmp_path, key, value):
     with pytest.raises(ConfigError) as ei:
         load_run_config(str(f), [], world_size=2)
     assert f"workload key '{key}'" in str(ei.value) and "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("policy", ["auto", "matmul", "op"])
+def test_titan_run_runs_its_selective_policies(tmp_path, policy):
+    """titan-run's own selective checkpointing: every matmul output kept (auto, matmul) or TorchTitan's per-op
+    policy (op; executor/parallel/activation_checkpoint.py, tests/test_selective_ac.py)."""
+    cfg = _run_config(tmp_path, {"dp_shard": 2, "microbatch": 2, "ac": "selective"}, selective_ac=policy)
+    assert cfg.workload.selective_policy == ("matmul" if policy == "auto" else policy)
 
 
 def _run_config(tmp_path, plan: dict, **workload):

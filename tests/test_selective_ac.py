@@ -78,13 +78,15 @@ class _OneBlock(nn.Module):
         self.layers = nn.ModuleDict({"0": TransformerBlock(0, spec)})
 
 
-def kept_for_backward(spec, ac: str, dtype: torch.dtype, tp_mesh=None) -> tuple[int, dict[str, int]]:
-    """(bytes this rank keeps for backward after one block's forward, bytes by producing op)."""
+def kept_for_backward(spec, ac: str, dtype: torch.dtype, tp_mesh=None, policy: str = "matmul"
+                      ) -> tuple[int, dict[str, int]]:
+    """(bytes this rank keeps for backward after one block's forward, bytes by producing op); `policy`: the
+    workload's ``selective_ac`` under ``ac: selective``."""
     torch.manual_seed(0)
     model = _OneBlock(spec)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
-    apply_ac(model, ac)
+    apply_ac(model, ac, policy)
     model.to(dtype)
     tp = tp_mesh.size() if tp_mesh is not None else 1
     x = torch.randn(BATCH, SEQ_LEN // tp, spec.dim, dtype=dtype, requires_grad=True)   # sequence-sharded under SP
@@ -107,10 +109,10 @@ def kept_for_backward(spec, ac: str, dtype: torch.dtype, tp_mesh=None) -> tuple[
     return sum(by_op.values()) + (input_bytes if ac != "none" else 0), by_op
 
 
-def modelled_bytes(spec, ac: str, dtype: str, tp: int) -> float:
+def modelled_bytes(spec, ac: str, dtype: str, tp: int, policy: str = "matmul") -> float:
     """The cost model's bytes per rank for the same block and tokens (tp: sequence-parallel, fsdp2 layout)."""
-    t = layer_activation_terms(spec, Workload(seq_len=SEQ_LEN, global_batch=1, dtype=dtype), moe=False, ac=ac,
-                               compiled=False)
+    t = layer_activation_terms(spec, Workload(seq_len=SEQ_LEN, global_batch=1, dtype=dtype, selective_ac=policy),
+                               moe=False, ac=ac, compiled=False)
     per_token = ((t[SEQ] + t[SHARD] + t[SCORE] * SEQ_LEN) / tp + t[FULL]
                  + ((t[FULL_TP] + t[SEQ_TP] / tp) if tp > 1 else 0.0))
     return per_token * BATCH * SEQ_LEN
@@ -155,3 +157,53 @@ def test_selective_under_tensor_parallel(tp2_mesh):
     # the all-gathered attention and FFN inputs: the FULL_TP term
     assert by_op["_c10d_functional.all_gather_into_tensor.default"] == 2 * e * spec.dim * BATCH * SEQ_LEN
     assert measured == modelled_bytes(spec, "selective", "fp32", tp), by_op
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_op_policy_keeps_every_other_matmul(dtype):
+    """TorchTitan's per-op policy (``selective_ac: op``): the 1st, 3rd, ... matmul outputs of the block (wq, wv,
+    w1, w2 here) and the attention's, as the cost model counts them; fewer bytes than ``matmul``."""
+    spec = load_model("llama3-debug")
+    tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    measured, by_op = kept_for_backward(spec, "selective", tdtype, policy="op")
+    assert measured == modelled_bytes(spec, "selective", dtype, tp=1, policy="op"), by_op
+    e = 4 if dtype == "fp32" else 2
+    tokens = BATCH * SEQ_LEN
+    kept_mm = (spec.n_heads * spec.head_dim + spec.n_kv_heads * spec.head_dim + spec.ffn_hidden + spec.dim) * e * tokens
+    assert by_op["aten.mm.default"] == kept_mm
+    matmul, _ = kept_for_backward(spec, "selective", tdtype)
+    assert measured < matmul
+
+
+def test_op_policy_gradients_are_exact():
+    """Recomputing every other matmul changes no gradient: the block's input and weight gradients under
+    ``op`` equal those without checkpointing, bit for bit (fp32, one process)."""
+    spec = load_model("llama3-debug")
+    grads = {}
+    for ac, policy in (("none", "matmul"), ("selective", "op"), ("selective", "matmul")):
+        torch.manual_seed(0)
+        model = _OneBlock(spec)
+        apply_ac(model, ac, policy)
+        x = torch.randn(BATCH, SEQ_LEN, spec.dim, requires_grad=True)
+        cos, sin = rope_cos_sin(torch.arange(SEQ_LEN), spec.head_dim, spec.rope_theta, torch.float32)
+        model.layers["0"](x, cos, sin).square().mean().backward()
+        grads[(ac, policy)] = [x.grad] + [p.grad for p in model.parameters()]
+    for key in (("selective", "op"), ("selective", "matmul")):
+        for a, b in zip(grads[("none", "matmul")], grads[key]):
+            assert torch.equal(a, b), key
+
+
+def test_op_policy_under_tensor_parallel(tp2_mesh):
+    """Under DTensor TP (sequence parallel, tp 2): the 'op' policy keeps the reduce-scatter outputs and not the
+    all-gathered inputs, which the cost model's 'op' terms leave out."""
+    spec = load_model("llama3-debug")
+    measured, by_op = kept_for_backward(spec, "selective", torch.float32, tp_mesh=tp2_mesh, policy="op")
+    assert "_c10d_functional.all_gather_into_tensor.default" not in by_op, by_op
+    assert by_op["_c10d_functional.reduce_scatter_tensor.default"] == 2 * 4 * spec.dim / 2 * BATCH * SEQ_LEN
+    assert measured == modelled_bytes(spec, "selective", "fp32", 2, policy="op"), by_op
+
+
+def test_unknown_policy_is_refused():
+    spec = load_model("llama3-debug")
+    with pytest.raises(ValueError, match="selective_ac"):
+        apply_ac(_OneBlock(spec), "selective", "attention")

@@ -148,7 +148,7 @@ def set_rebuild_product(module: nn.Module, on: bool) -> None:
 
 def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, backend: str = "dtensor",
                 tp_activations: str = "gathered", typecheck: bool = False,
-                rebuild_ffn_product: bool | None = None) -> nn.Module:
+                rebuild_ffn_product: bool | None = None, selective_ac: str = "matmul") -> nn.Module:
     """Apply the plan's parallelisms to `module` (a whole model or a pipeline stage) in place.
 
     `tp_activations` (the workload key, resolved: ``gathered`` | ``sharded``) is what TP blocks keep of
@@ -157,7 +157,8 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     blocks get TP boundaries with their types erased, traced into the graph
     (``spmd_tensor_parallel.ERASED_OPS``), unless `typecheck` (``train.spmd_typecheck``) keeps them typed.
     `rebuild_ffn_product` (:func:`set_rebuild_product`; None: on for eager blocks without recompute, the
-    ``swiglu_impl: auto`` rule) is what :func:`build_model_parts` reads from the workload."""
+    ``swiglu_impl: auto`` rule) is what :func:`build_model_parts` reads from the workload, as `selective_ac`
+    (``matmul`` | ``op``: what ``ac: selective`` keeps, ``activation_checkpoint``)."""
     err = float8_tp_backend_error(plan, backend)   # the spmd path gives the sharded operands global scales
     if err:
         raise ValueError(err)
@@ -187,7 +188,7 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
     if rebuild_ffn_product is None:
         rebuild_ffn_product = plan.ac == "none" and not plan.compile
     set_rebuild_product(module, rebuild_ffn_product)
-    apply_ac(module, plan.ac)
+    apply_ac(module, plan.ac, selective_ac)
     if plan.compile:
         apply_compile(module)
     if backend == "spmd_types":
@@ -215,7 +216,8 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
 
     Built on the meta device, split into this rank's pipeline stages, each stage parallelized
     (:func:`parallelize`; from `workload`, a ``cost_models.workload.Workload``, its ``tp_activations``:
-    ``gathered`` without one, and its ``pp_split``: the layers-only split without one).  With `device` the parameters are then materialized there and
+    ``gathered`` without one, its ``selective_ac`` policy: ``matmul`` without one, and its ``pp_split``: the
+    layers-only split without one).  With `device` the parameters are then materialized there and
     initialized from `seed`, the same full values for every layout; without it they stay on
     the meta device (dry run, self-test: shapes and placements only).
     """
@@ -225,11 +227,12 @@ def build_model_parts(spec: ModelSpec, plan: Plan, meshes, *, precision: Precisi
     weighted = workload is not None and workload.pp_weighted
     stages = pipeline_split(model, plan, meshes.pp, weighted) if plan.pp > 1 else [(0, model)]
     tp_activations = "gathered" if workload is None or workload.tp_keeps_gathered else "sharded"
+    selective_ac = "matmul" if workload is None else workload.selective_policy
     rebuild = (None if workload is None else
                workload.ffn_rebuilds_product(ac=plan.ac, compiled=plan.compile, float8=plan.float8))
     for _, module in stages:
         parallelize(module, plan, meshes, precision=precision, backend=backend, tp_activations=tp_activations,
-                    typecheck=typecheck, rebuild_ffn_product=rebuild)
+                    typecheck=typecheck, rebuild_ffn_product=rebuild, selective_ac=selective_ac)
     if device is not None:
         for _, module in stages:
             module.to_empty(device=device)

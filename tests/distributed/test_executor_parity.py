@@ -37,6 +37,13 @@ def test_tp_sp_with_selective_ac():
     matches_single_process(Plan(tp=2, microbatch=4, ac="selective"))
 
 
+@pytest.mark.parametrize("backend", ["spmd_types", pytest.param("dtensor", marks=pytest.mark.slow)])
+def test_fsdp_x_tp_with_torchtitans_selective_policy(backend):
+    # workload selective_ac 'op': every other matmul of a block recomputed in backward, all-gathers again
+    matches_single_process(Plan(dp_shard=2, tp=2, microbatch=2, ac="selective", backend=backend), nproc=4,
+                           extra={"workload.selective_ac": "op"})
+
+
 @pytest.mark.slow
 def test_hsdp_2x2_with_full_ac():
     matches_single_process(Plan(dp_replicate=2, dp_shard=2, microbatch=1, ac="full"))
