@@ -155,6 +155,7 @@ class PlanInputs:
     hardware_ref: str
     calibration: str | None = None
     framework: str = "titan-run"  # the regime the workload and overlap defaults came from (--framework)
+    framework_implied: bool = False   # not given: taken from the state layout (`IMPLIED_FRAMEWORK`)
     nics_given: bool = False      # --nic-gbps / --gpus-per-nic (or the plan file's) replaced the spec's NICs
 
     def echo(self) -> dict[str, Any]:
@@ -265,6 +266,22 @@ def read_question(path: str | None, args) -> tuple[dict[str, Any], dict[str, Any
     return given, d
 
 
+# the regime a question without --framework (or a plan file's framework) is read under, by its state layout: titan-run
+# holds fsdp2 state only (executor/config.py refuses the others), so a megatron layout describes a Megatron stack, and
+# the generic one (fused kernels, selective recompute of the attention core, ZeRO-1) fills in what the question
+# leaves out, as --framework megatron-lm does, but for the main gradients' dtype (`resolve_inputs`); the estimate
+# says so in a note
+IMPLIED_FRAMEWORK = {"megatron": "megatron-lm"}
+
+
+def implied_framework_note(q: "PlanInputs") -> str | None:
+    """One line when the regime was taken from the state layout, else None."""
+    if not q.framework_implied:
+        return None
+    return (f"framework not given: '{q.framework}', the stack a {q.workload.state_layout} state layout describes "
+            f"(titan-run holds fsdp2 state); --framework NAME for another, e.g. megatron-bridge, megatron-deepspeed")
+
+
 def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: str = "plan file") -> PlanInputs:
     """The planning question from flags, then `defaults` (what a plan file says: model, hardware,
     gpus, gpus_per_node, workload), then this machine and the built-in defaults."""
@@ -288,13 +305,19 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     nic_args = (getattr(args, "nic_gbps", None), d.get("nic_gbps"), getattr(args, "gpus_per_nic", None),
                 d.get("gpus_per_nic"))
     hw = _with_nics(hw, *nic_args)
-    fw = get_framework(_given(getattr(args, "framework", None), d.get("framework"), "titan-run"))
+    fw_name = _given(getattr(args, "framework", None), d.get("framework"), False)
+    layout = _given(getattr(args, "state_layout", None), (d.get("workload") or {}).get("state_layout"), "fsdp2")
+    implied = fw_name is False and layout in IMPLIED_FRAMEWORK
+    fw = get_framework(IMPLIED_FRAMEWORK[layout] if implied else ("titan-run" if fw_name is False else fw_name))
+    # implied, the regime leaves the gradient dtype to the estimate's comparison (`whatif.workload_variants`):
+    # Megatron-LM's fp32 main gradients, or NeMo's and Megatron-Bridge's bf16 where fp32 does not fit
+    base = {k: v for k, v in fw.workload.items() if not (implied and k == "grad_dtype")}
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
-                                where=f"{where}: workload", base=fw.workload)
+                                where=f"{where}: workload", base=base)
     coeffs = Coefficients.load(args.calibration) if args.calibration else None
     return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
                       local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),
-                      calibration=args.calibration, framework=fw.name,
+                      calibration=args.calibration, framework=fw.name, framework_implied=implied,
                       nics_given=any(v is not None for v in nic_args))
 
 

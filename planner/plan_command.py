@@ -15,7 +15,7 @@ from search_spaces.space import load_space
 
 from . import report
 from .dry_run import dry_run_candidates, format_row
-from .inputs import PlanInputs, UsageError, read_question, resolve_inputs
+from .inputs import PlanInputs, UsageError, implied_framework_note, read_question, resolve_inputs
 from .local import detect_local_devices
 from .plot import pareto_plot
 from .rank import PlanningError, plan_candidates, smallest_fitting_world
@@ -126,6 +126,8 @@ def cmd_plan(args) -> int:
 def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None:
     """The text report's first half: the question, the top candidates and the rejection counts."""
     print(q.headline())
+    if implied_framework_note(q):
+        print(f"note: {implied_framework_note(q)}")
     print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
           f"{res.n_feasible:,} feasible ({space.name} space)")
     if res.split_best and res.n_feasible and res.table.pp[res.best()] > 1:   # the split of the chosen pipeline

@@ -37,7 +37,7 @@ from search_spaces.table import CandidateTable
 from . import report
 from search_spaces.space import load_space
 
-from .inputs import UsageError, read_question, resolve_inputs, resolve_workload
+from .inputs import UsageError, implied_framework_note, read_question, resolve_inputs, resolve_workload
 from .plan_command import default_space
 from .remedies import format_remedies, framework_regimes, remedies
 
@@ -356,7 +356,7 @@ def cmd_estimate(args) -> int:
         ac_note += f"; {q.framework} has no {' or '.join(lacks)} recompute"
     elif plan.ac in lacks:
         knob_notes = [*knob_notes, f"{q.framework} has no {plan.ac} recompute; predicted as asked (--ac {plan.ac})"]
-    knob_notes = [*regime_notes, *knob_notes]
+    knob_notes = [n for n in (implied_framework_note(q), *regime_notes) if n] + knob_notes
     knob_notes = [fold_note, *knob_notes] if fold_note else knob_notes
     not_runnable += workload_limits(plan, workload)
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"

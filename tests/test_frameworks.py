@@ -95,13 +95,15 @@ def test_an_unstated_gradient_dtype_is_not_a_verdict_on_the_heavier_one():
                         for extra in ((), ("--grad-dtype", "fp32"), ("--grad-dtype", "bf16")))
     assert fp32["predicted"]["headroom_gib"] < 0 <= bf16["predicted"]["headroom_gib"], "the test needs that layout"
     assert auto["workload"]["grad_dtype"] == "bf16" and auto["predicted"] == bf16["predicted"]
-    assert auto["knob_notes"][0].startswith("grad_dtype not given: 'bf16', fp32 main gradients do not fit")
-    assert fp32["knob_notes"] == bf16["knob_notes"] == [] and fp32["remedies"] is not None
+    def dtype_notes(doc):
+        return [n for n in doc["knob_notes"] if n.startswith("grad_dtype")]
+    assert dtype_notes(auto)[0].startswith("grad_dtype not given: 'bf16', fp32 main gradients do not fit")
+    assert dtype_notes(fp32) == dtype_notes(bf16) == [] and fp32["remedies"] is not None
     assert fp32["predicted"]["memory_gib"]["grads"] == pytest.approx(2 * bf16["predicted"]["memory_gib"]["grads"],
                                                                       rel=1e-3)
     roomy = [a if a != "64" else "128" for a in args]     # dp_shard 4: the optimizer shard halves
     small = json.loads(planner_cli(*roomy, "--dp-shard", "4", "--json").stdout)
-    assert small["workload"]["grad_dtype"] == "auto" and small["knob_notes"] == []    # as asked: fp32
+    assert small["workload"]["grad_dtype"] == "auto" and dtype_notes(small) == []    # as asked: fp32
     assert small["predicted"]["headroom_gib"] >= 0
     # a regime states its dtype: Megatron-LM's fp32 is a verdict, not a default
     lm = json.loads(planner_cli(*args, "--framework", "megatron-lm", "--json").stdout)
@@ -190,3 +192,32 @@ def test_plan_defaults_fill_only_what_is_left_out():
     assert lm.plan_defaults({}, 32) == {"compile": True}
     assert lm.plan_defaults({"compile": False}, 32) == {}
     assert FRAMEWORKS["titan-run"].plan_defaults({"pp": 8}, 32) == {}
+
+
+def test_a_megatron_state_layout_without_a_framework_is_read_as_megatron_lm(tmp_path):
+    """titan-run holds fsdp2 state only, so a question with the megatron layout and no --framework describes a
+    Megatron stack: the estimate reads it as --framework megatron-lm (its fused kernels as compile, its selective
+    recompute, ZeRO-1), leaving the main gradients' dtype to its fp32 / bf16 comparison, and says so; a stated
+    framework, and the fsdp2 layout, are read as before."""
+    args = [*MBRIDGE_70B, "--no-float8", "--state-layout", "megatron", "--ac", "selective"]
+    implied = json.loads(planner_cli(*args, "--json").stdout)
+    lm = json.loads(planner_cli(*args, "--framework", "megatron-lm", "--grad-dtype",
+                                implied["workload"]["grad_dtype"], "--json").stdout)
+    assert implied["inputs"]["framework"] == "megatron-lm" and implied["predicted"] == lm["predicted"]
+    assert implied["knob_notes"][0].startswith("framework not given: 'megatron-lm', the stack a megatron state")
+    assert implied["workload"]["zero"] == 1 and implied["workload"]["selective_ac"] == "attention"
+    assert implied["plan"]["compile"] is True
+    assert not [n for n in lm["knob_notes"] if n.startswith("framework")]
+    own = json.loads(planner_cli(*args, "--framework", "titan-run", "--json").stdout)
+    assert own["inputs"]["framework"] == "titan-run" and own["workload"]["selective_ac"] == "auto"
+    fsdp2 = json.loads(planner_cli(*MBRIDGE_70B, "--json").stdout)
+    assert fsdp2["inputs"]["framework"] == "titan-run"
+    # a plan file's layout implies it too, and the search says so
+    f = tmp_path / "q.yaml"
+    f.write_text(yaml.safe_dump({"model": "llama3-8b", "hardware": "h100-sxm", "plan": {"dp_shard": 16},
+                                 "workload": {"seq_len": 2048, "global_batch": 64, "state_layout": "megatron"}}))
+    doc = json.loads(planner_cli("estimate", "--plan", str(f), "--json").stdout)
+    assert doc["inputs"]["framework"] == "megatron-lm" and doc["knob_notes"][0].startswith("framework not given")
+    r = planner_cli("--model", "llama3-8b", "--hardware", "h100-sxm", "--gpus", "16", "--seq-len", "2048",
+                    "--global-batch", "64", "--state-layout", "megatron", "--no-write")
+    assert r.returncode == 0 and "note: framework not given: 'megatron-lm'" in r.stdout, r.stderr
