@@ -12,7 +12,12 @@ the recipe's facts; and a recompute, schedule or resharding the row leaves out) 
 fill in.  It prints the throughput median / worst APE against the measurements, the fit verdicts, how far each
 row moves from the validator's prediction, and the rows that move most.
 
-Usage: python bench/bench_minimal_question.py [--set shared|extra|both] [--top N] ; the headline is printed last.
+With ``--without-framework`` each row is asked without ``--framework``, with its state layout and ZeRO stage as
+flags instead (``--state-layout``, ``--zero``): the question of a user who names how the state is held but not the
+stack, which titan-plan reads as titan-run's (fsdp2) or Megatron-LM's (megatron; `planner.inputs.IMPLIED_FRAMEWORK`).
+
+Usage: python bench/bench_minimal_question.py [--set shared|extra|both] [--top N] [--without-framework] ; the
+headline is printed last.
 """
 from __future__ import annotations
 
@@ -76,16 +81,20 @@ def vp_int(v) -> int:
     return int(n) if n else 1
 
 
-def minimal_argv(case, row, folder: Path) -> list[str]:
-    """`titan-plan estimate` with the layout, what the row states and its framework, nothing else."""
+def minimal_argv(case, row, folder: Path, framework: bool = True) -> list[str]:
+    """`titan-plan estimate` with the layout, what the row states and its framework (`framework`; else its state
+    layout and ZeRO stage), nothing else."""
     plan, wl, say = case.plan, case.workload, stated(row)
+    stack = (["--framework", vr.FRAMEWORK_OF[str(row.get("framework") or row["id"].split("_")[0])]] if framework
+             else ["--state-layout", wl.state_layout, *(["--zero", str(wl.zero)] if wl.state_layout == "megatron"
+                                                        else [])])
     stem = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in case.id)
     argv = ["estimate", "--model", vr._spec_ref(case.model, "models", folder, stem),
             *vr._hardware_args(case.hw, folder, stem), "--gpus", str(plan.world_size),
             "--gpus-per-node", str(case.hw.gpus_per_node), "--seq-len", str(wl.seq_len),
             "--global-batch", str(wl.global_batch), "--dp-replicate", str(plan.dp_replicate),
             "--dp-shard", str(plan.dp_shard), "--pp", str(plan.pp), "--tp", str(plan.tp), "--cp", str(plan.cp),
-            "--ep", str(plan.ep), "--framework", vr.FRAMEWORK_OF[str(row.get("framework") or row["id"].split("_")[0])]]
+            "--ep", str(plan.ep), *stack]
     if say["microbatch"]:
         argv += ["--microbatch", str(plan.microbatch)]
     if say["ac"]:
@@ -111,7 +120,7 @@ def ask(argv: list[str]) -> dict | None:
     return json.loads(out.getvalue()) if rc == 0 else None
 
 
-def score(set_name: str, folder: Path) -> dict:
+def score(set_name: str, folder: Path, framework: bool = True) -> dict:
     rows = {r["id"]: r for r in vr.load_set(set_name)}
     cases, _ = vr.build_cases(list(rows.values()))
     folder.mkdir(parents=True, exist_ok=True)
@@ -120,7 +129,7 @@ def score(set_name: str, folder: Path) -> dict:
     unfit = []
     for c in cases:
         row = rows[c.id]
-        doc = ask(minimal_argv(c, row, folder))
+        doc = ask(minimal_argv(c, row, folder, framework))
         if doc is None:
             refused.append(c.id)
             continue
@@ -147,17 +156,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", choices=("shared", "extra", "both"), default="both")
     ap.add_argument("--top", type=int, default=12, help="rows that move most to list (default 12)")
+    ap.add_argument("--without-framework", action="store_true",
+                    help="ask without --framework, with the row's --state-layout and --zero instead")
     args = ap.parse_args()
     sets = vr.SETS if args.set == "both" else (args.set,)
     heads = []
+    asked = "--state-layout / --zero (no --framework)" if args.without_framework else "--framework"
     with tempfile.TemporaryDirectory() as tmp:
         for s in sets:
             if s == "shared" and not (vr.reference_dir() / "published_runs.yaml").is_file():
                 print("shared: reference data not found (set TITAN_REFERENCE_DIR)")
                 continue
-            r = score(s, Path(tmp) / s)
+            r = score(s, Path(tmp) / s, not args.without_framework)
             print(f"== set '{s}': {r['n']} throughput rows asked with the layout, what the row states and "
-                  f"--framework")
+                  f"{asked}")
             for pct, rid, val, got, meas, plan, vplan in r["moved"][: args.top]:
                 print(f"  {pct:6.1f}%  {rid:58s} validator {val:10.1f}  minimal {got:10.1f}  measured {meas:10.1f}")
             if r["unfit"]:
@@ -167,7 +179,7 @@ def main() -> int:
             heads.append(f"{s}: throughput n={r['n']} median {r['val_median']:.1f}% -> {r['min_median']:.1f}%, worst "
                          f"{r['val_worst']:.1f}% -> {r['min_worst']:.1f}%, moved median {r['moved_median']:.1f}%, "
                          f"fit {r['fit']}/{r['trained']}, refused {len(r['refused'])}")
-    print("HEADLINE minimal question (validator -> layout, stated keys and --framework only): " + " | ".join(heads))
+    print(f"HEADLINE minimal question (validator -> layout, stated keys and {asked} only): " + " | ".join(heads))
     return 0
 
 

@@ -3,7 +3,8 @@
 A user who asks about one layout and hears DOES NOT FIT needs to know what to change.  Each remedy is one
 change that keeps the layout's degrees and saves memory, stated as the flag that makes it:
 
-* plan knobs titan-run runs: ``--ac selective`` / ``--ac full``, ``--reshard``, ``--compile`` (fused kernels;
+* plan knobs titan-run runs: ``--ac selective`` / ``--ac full``, ``--selective-ac op`` (under ``ac: selective``:
+  TorchTitan's per-op policy, every other matmul recomputed), ``--reshard``, ``--compile`` (fused kernels;
   at tp 1 its loss compiled too, keeping no fp32 copy of the logits), a smaller ``--microbatch``
   (more micro-batches of the same global batch), ``--pp-grad-sync every_microbatch`` (fsdp2, pp > 1, not
   the V schedules), ``--pp-split weighted`` (pp > 1: the first stage, which keeps the most micro-batches in
@@ -76,6 +77,8 @@ def candidates(plan: Plan, workload, model) -> list[Remedy]:
                           {"pp_grad_sync": "every_microbatch"}))
     if plan.pp > 1 and not workload.pp_weighted:
         out.append(Remedy(_flag("pp_split", "weighted"), True, {}, {"pp_split": "weighted"}))
+    if plan.ac == "selective" and workload.selective_policy == "matmul":   # TorchTitan's per-op policy, titan-run's too
+        out.append(Remedy(_flag("selective_ac", "op"), True, {}, {"selective_ac": "op"}))
     if plan.tp > 1 and workload.state_layout == "fsdp2" and workload.tp_keeps_gathered:   # keep the sequence shards
         out.append(Remedy(_flag("tp_activations", "sharded"), not tp_shards_unrunnable(plan), {},
                           {"tp_activations": "sharded"}))

@@ -28,11 +28,15 @@ def _check_against_its_own_estimate(base: list[str], remedy: dict) -> None:
 
 
 def test_single_changes_that_fit_fastest_first():
-    base = [*L8B, "--seq-len", "8192", "--global-batch", "16", "--ac", "selective", "--microbatch", "2"]
+    base = [*L8B, "--seq-len", "8192", "--global-batch", "16", "--ac", "selective", "--microbatch", "2",
+            "--selective-ac", "matmul"]
     doc = _est(*base)
     assert doc["predicted"]["headroom_gib"] < 0 and doc["remedies"]["combined"] is None
     single = doc["remedies"]["single"]
-    assert {d["flags"] for d in single} == {"--microbatch 1", "--ac full"}, single
+    assert {d["flags"] for d in single} == {"--microbatch 1", "--ac full", "--selective-ac op"}, single
+    # unstated, the estimate takes the per-op policy itself (the remedy's figures)
+    auto = _est(*base[:-2])
+    assert auto["workload"]["selective_ac"] == "op" and auto["predicted"]["headroom_gib"] >= 0
     assert [d["step_time_s"] for d in single] == sorted(d["step_time_s"] for d in single)
     for d in single:
         assert d["fits"] and d["titan_run"]
