@@ -30,9 +30,10 @@ def in_process(repeats: int = 5, model_name: str = "llama3-405b", hardware: str 
     for _ in range(repeats):
         t0 = time.perf_counter()
         # what `titan-plan` searches when the question states none: both pipeline splits, both TP regimes, both
-        # pipeline gradient syncs
+        # pipeline gradient syncs, both selective-checkpointing policies
         res = plan_candidates(space, model, hw, wl, world_size=world, pp_splits=("layers", "weighted"),
-                              tp_activations=("auto", "sharded"), grad_syncs=("auto", "every_microbatch"))
+                              tp_activations=("auto", "sharded"), grad_syncs=("auto", "every_microbatch"),
+                              selective_acs=("auto", "op"))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), res.n_candidates, res.n_feasible
 

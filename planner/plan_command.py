@@ -55,15 +55,24 @@ def grad_syncs_to_search(q: PlanInputs) -> tuple[str, ...] | None:
     return ("auto", "every_microbatch") if wl.pp_grad_sync == "auto" and wl.state_layout == "fsdp2" else None
 
 
+def selective_policies_to_search(q: PlanInputs) -> tuple[str, ...] | None:
+    """Both selective-checkpointing policies titan-run runs -- ``auto`` (every matmul output kept) and ``op``
+    (TorchTitan's per-op policy: every other matmul recomputed) -- when the question leaves ``selective_ac``
+    ``auto`` under titan-run's fsdp2 state; None (the given one) otherwise."""
+    wl = q.workload
+    return ("auto", "op") if wl.selective_ac == "auto" and wl.state_layout == "fsdp2" else None
+
+
 def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     d = read_question(args.plan_file, args)[1]
     q = resolve_inputs(args, d, where=str(args.plan_file or "plan file"))
     space = load_space(args.space or default_space(q.model, q.workload))
     splits, tpas, syncs = pp_splits_to_search(args, d, q), tp_activations_to_search(q), grad_syncs_to_search(q)
+    pols = selective_policies_to_search(q)
     res = plan_candidates(space, q.model, q.hardware, q.workload, world_size=q.gpus, gpus_per_node=q.gpus_per_node,
                           coeffs=q.coeffs, memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
-                          tp_activations=tpas, grad_syncs=syncs)
+                          tp_activations=tpas, grad_syncs=syncs, selective_acs=pols)
     elapsed = time.perf_counter() - t0
     if not res.n_feasible and res.n_candidates:     # legal layouts, none fits: say how many devices would do
         # a node shape the question states is kept; else the hardware's own (a small world had fewer per node)
@@ -72,7 +81,7 @@ def cmd_plan(args) -> int:
         found = smallest_fitting_world(space, q.model, hw, q.workload, world_size=q.gpus,
                                        gpus_per_node=q.gpus_per_node if stated else None, coeffs=q.coeffs,
                                        memory_margin=args.memory_margin, rank_by=args.rank_by, pp_splits=splits,
-                                       tp_activations=tpas, grad_syncs=syncs)
+                                       tp_activations=tpas, grad_syncs=syncs, selective_acs=pols)
         if found is not None:
             k, bigger = found
             b = bigger.best()
@@ -136,6 +145,8 @@ def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None
         print(tp_line(res))
     if res.sync_best and res.n_feasible and res.workload.pp_grad_sync == "every_microbatch":
         print(sync_line(res))
+    if res.policy_best and res.n_feasible and res.workload.selective_ac == "op":
+        print(policy_line(res))
     print()
     order = "fastest p90 step first" if args.rank_by == "p90" else "fastest first"
     print(report.format_table(res.table, res.est, top, title=f"top {len(top)} ({order}):",
@@ -182,6 +193,13 @@ def sync_line(res) -> str:
     return (f"pipeline gradient sync: every_microbatch (each micro-batch's gradients reduce-scattered into the "
             f"shard, none kept unsharded): {show['every_microbatch']}; last_microbatch: {show['auto']}  "
             f"(set --pp-grad-sync to fix one)")
+
+
+def policy_line(res) -> str:
+    """Why the chosen plan recomputes every other matmul: each policy's best step (`PlanningResult.policy_best`)."""
+    show = _best_steps(res, res.policy_best)
+    return (f"selective checkpointing: op (TorchTitan's per-op policy: every other matmul of a block recomputed "
+            f"too): {show['op']}; matmul (every matmul output kept): {show['auto']}  (set --selective-ac to fix one)")
 
 
 def _print_outcome(args, res, best, contents: dict, dry_rows, trial_rows) -> None:

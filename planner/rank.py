@@ -46,6 +46,8 @@ class PlanningResult:
     tp_best: dict[str, float | None] = field(default_factory=dict)
     # and the gradient-sync regimes (`plan_candidates(grad_syncs=...)`): the chosen one is ``workload.pp_grad_sync``
     sync_best: dict[str, float | None] = field(default_factory=dict)
+    # and the selective-checkpointing policies (`plan_candidates(selective_acs=...)`): ``workload.selective_ac``
+    policy_best: dict[str, float | None] = field(default_factory=dict)
     enumeration: Enumeration | None = field(default=None, repr=False)   # what `table` came from
 
     def step_time(self) -> np.ndarray:
@@ -87,7 +89,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
                     memory_margin: float = 0.0, rank_by: str = "time",
                     pp_splits: tuple[str, ...] | None = None,
                     tp_activations: tuple[str, ...] | None = None,
-                    grad_syncs: tuple[str, ...] | None = None) -> PlanningResult:
+                    grad_syncs: tuple[str, ...] | None = None,
+                    selective_acs: tuple[str, ...] | None = None) -> PlanningResult:
     """Enumerate and score everything; feasible = legal and peak memory within capacity*(1-margin).
 
     ``rank_by="p90"`` ranks by the conservative step time (`Estimates.step_time_p90_s`) and judges
@@ -104,32 +107,40 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     "every_microbatch")``) likewise, only when there are candidates with ``pp > 1``: under ``every_microbatch`` the
     split-backward pipelines are rejected (`plan.grad_sync_unrunnable`), and the regime wins only where it lets a
     faster layout fit (it is estimated on the candidates that do not fit under the default regimes only).
-    ``split_best`` / ``tp_best`` / ``sync_best`` give each value's best step (over the others).
+    `selective_acs` (workload ``selective_ac`` values, e.g. ``("auto", "op")``: every matmul output kept, or
+    TorchTitan's per-op policy) likewise, only when there are candidates with ``ac: selective``: the per-op policy
+    is estimated on the selective candidates that do not fit under the default regimes only, and wins only where it
+    lets a faster layout fit.
+    ``split_best`` / ``tp_best`` / ``sync_best`` / ``policy_best`` give each value's best step (over the others).
     """
     if rank_by not in RANK_BY:
         raise PlanningError(f"rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     splits = tuple(dict.fromkeys(pp_splits or (workload.pp_split,)))
     tpas = tuple(dict.fromkeys(tp_activations or (workload.tp_activations,)))
     syncs = tuple(dict.fromkeys(grad_syncs or (workload.pp_grad_sync,)))
+    pols = tuple(dict.fromkeys(selective_acs or (workload.selective_ac,)))
     kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, coeffs=coeffs, memory_margin=memory_margin,
               rank_by=rank_by)
     first = _plan_one(space, model, hw, dataclasses.replace(workload, pp_split=splits[0], tp_activations=tpas[0],
-                                                            pp_grad_sync=syncs[0]), **kw)
+                                                            pp_grad_sync=syncs[0], selective_ac=pols[0]), **kw)
     splits = splits if (first.table.pp > 1).any() else splits[:1]
     tpas = tpas if (first.table.tp > 1).any() else tpas[:1]
     syncs = syncs if ((first.table.pp > 1) & (first.table.fsdp_size > 1)).any() else syncs[:1]
-    if len(splits) == 1 and len(tpas) == 1 and len(syncs) == 1:
+    pols = pols if first.table.is_ac("selective").any() else pols[:1]
+    if len(splits) == 1 and len(tpas) == 1 and len(syncs) == 1 and len(pols) == 1:
         return first
     results, base = [], {}
-    for g in syncs:
-        for a in tpas:
-            for s in splits:
-                wl = dataclasses.replace(workload, pp_split=s, tp_activations=a, pp_grad_sync=g)
-                r = (first if (s, a, g) == (splits[0], tpas[0], syncs[0])
-                     else _plan_one(space, model, hw, wl, reuse=base.get(s), **kw))
-                if r.workload.tp_keeps_gathered and r.workload.pp_defers_grad_sync:
-                    base[s] = r       # the default regimes of this split: what the others share
-                results.append(r)
+    for c in pols:
+        for g in syncs:
+            for a in tpas:
+                for s in splits:
+                    wl = dataclasses.replace(workload, pp_split=s, tp_activations=a, pp_grad_sync=g, selective_ac=c)
+                    r = (first if (s, a, g, c) == (splits[0], tpas[0], syncs[0], pols[0])
+                         else _plan_one(space, model, hw, wl, reuse=base.get(s), **kw))
+                    if (r.workload.tp_keeps_gathered and r.workload.pp_defers_grad_sync
+                            and r.workload.selective_ac == pols[0]):
+                        base[s] = r       # the default regimes of this split: what the others share
+                    results.append(r)
 
     def best_step(r: PlanningResult) -> float | None:
         return float(r.step_time()[r.order[0]]) if r.n_feasible else None
@@ -137,7 +148,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     def key(r: PlanningResult) -> tuple:
         # the TP regime's rank breaks ties of the step before memory does: keeping shards (the second regime) is
         # taken only where it makes a layout fit that is faster, not for the memory it saves at the same speed
-        rank = (syncs.index(r.workload.pp_grad_sync), tpas.index(r.workload.tp_activations))
+        rank = (pols.index(r.workload.selective_ac), syncs.index(r.workload.pp_grad_sync),
+                tpas.index(r.workload.tp_activations))
         if not r.n_feasible:
             return (1, float(r.peak_memory().min(initial=np.inf)), rank, 0.0)
         i = r.order[0]
@@ -154,6 +166,7 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     chosen.split_best = best_of("pp_split", splits) if len(splits) > 1 else {}
     chosen.tp_best = best_of("tp_activations", tpas) if len(tpas) > 1 else {}
     chosen.sync_best = best_of("pp_grad_sync", syncs) if len(syncs) > 1 else {}
+    chosen.policy_best = best_of("selective_ac", pols) if len(pols) > 1 else {}
     return chosen
 
 
@@ -188,7 +201,8 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
                          pp_weighted=workload.pp_weighted)
     shards = workload.state_layout == "fsdp2" and not workload.tp_keeps_gathered   # titan-run keeps TP shards
     every = workload.state_layout == "fsdp2" and not workload.pp_defers_grad_sync   # a sync per micro-batch
-    reuse = reuse if (shards or every) and reuse is not None and reuse.enumeration is not None else None
+    op = workload.state_layout == "fsdp2" and workload.selective_ac == "op"       # TorchTitan's selective policy
+    reuse = reuse if (shards or every or op) and reuse is not None and reuse.enumeration is not None else None
     en: Enumeration = reuse.enumeration if reuse else enumerate_plans(space, target)
     if gpus_per_node and gpus_per_node != hw.gpus_per_node:   # the stated topology decides the links
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
@@ -197,19 +211,21 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     if reuse:       # what neither regime changes keeps its estimate; what cannot run is rejected below
         t = en.table
         changed = np.zeros(len(t), dtype=bool)
+        base_fits = np.zeros(len(t), dtype=bool)
+        base_fits[reuse.order] = True
         if shards:
             changed |= (t.tp > 1) & ~cannot
         if every:
             changed |= (t.pp > 1) & (t.fsdp_size > 1) & ~unsynced & ~cannot
             # a sync per micro-batch is searched for the memory it saves: only what does not fit under the
             # default regimes is estimated again (the rest keeps the default's figures, which rank first on a tie)
-            base_fits = np.zeros(len(t), dtype=bool)
-            base_fits[reuse.order] = True
             # ... and of those, what could fit: the sync saves at most the rank's gradients, gathered parameters and
             # the overhead on them, so a candidate still over the limit without all of them cannot fit
             m = reuse.est.memory
             floor = reuse.est.peak_memory_bytes - m["grads"] - m["fsdp_buffers"] - m["overhead"]
             changed &= ~base_fits & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin))
+        if op:      # searched for the memory it saves, as the sync: the selective candidates that do not fit
+            changed |= t.is_ac("selective") & ~cannot & ~base_fits
         changed = np.flatnonzero(changed)
         est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))
     else:
@@ -246,7 +262,8 @@ def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpe
                            max_world: int = MAX_WORLD_SIZE,
                            pp_splits: tuple[str, ...] | None = None,
                            tp_activations: tuple[str, ...] | None = None,
-                           grad_syncs: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
+                           grad_syncs: tuple[str, ...] | None = None,
+                           selective_acs: tuple[str, ...] | None = None) -> tuple[int, PlanningResult] | None:
     """When nothing fits on `world_size` devices: the smallest power-of-two multiple of it (up to `max_world`)
     on which some layout of `space` fits, with its planning result, or None.  The global batch stays the
     question's; multiples of the world keep the node shape."""
@@ -254,7 +271,7 @@ def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpe
     while k <= max_world:
         res = plan_candidates(space, model, hw, workload, world_size=k, gpus_per_node=gpus_per_node, coeffs=coeffs,
                               memory_margin=memory_margin, rank_by=rank_by, pp_splits=pp_splits,
-                              tp_activations=tp_activations, grad_syncs=grad_syncs)
+                              tp_activations=tp_activations, grad_syncs=grad_syncs, selective_acs=selective_acs)
         if res.n_feasible:
             return k, res
         k *= 2

@@ -274,8 +274,9 @@ def test_estimate_predicts_a_schedule_titan_run_cannot_run(capsys):
 
 
 def test_rank_by_p90_ranks_and_judges_memory_by_the_conservative_bounds(capsys):
+    # (the selective policy stated: the two rankings then count the feasible candidates of the same workload)
     args = ["--model", "llama3-70b", "--gpus", "64", "--hardware", "h100-sxm", "--seq-len", "8192",
-            "--global-batch", "128", "--json", "--no-write", "--top", "50"]
+            "--global-batch", "128", "--json", "--no-write", "--top", "50", "--selective-ac", "matmul"]
     assert main(args) == 0
     point = json.loads(capsys.readouterr().out)
     assert main(args + ["--rank-by", "p90"]) == 0
