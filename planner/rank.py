@@ -224,8 +224,13 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
             m = reuse.est.memory
             floor = reuse.est.peak_memory_bytes - m["grads"] - m["fsdp_buffers"] - m["overhead"]
             changed &= ~base_fits & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin))
-        if op:      # searched for the memory it saves, as the sync: the selective candidates that do not fit
-            changed |= t.is_ac("selective") & ~cannot & ~base_fits
+        if op:      # searched for the memory it saves, as the sync: the selective candidates that do not fit, and
+            # of those what could: the policy saves activations only (with the sync, its terms too)
+            m = reuse.est.memory
+            floor = reuse.est.peak_memory_bytes - m["activations"] - m["overhead"] - (
+                m["grads"] + m["fsdp_buffers"] if every else 0.0)
+            changed |= (t.is_ac("selective") & ~cannot & ~base_fits
+                        & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin)))
         changed = np.flatnonzero(changed)
         est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))
     else:
