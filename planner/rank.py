@@ -109,8 +109,10 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     faster layout fit (it is estimated on the candidates that do not fit under the default regimes only).
     `selective_acs` (workload ``selective_ac`` values, e.g. ``("auto", "op")``: every matmul output kept, or
     TorchTitan's per-op policy) likewise, only when there are candidates with ``ac: selective``: the per-op policy
-    is estimated on the selective candidates that do not fit under the default regimes only, and wins only where it
-    lets a faster layout fit.
+    is estimated on the selective candidates that do not fit under the default regimes only (and could, their
+    activations freed), and wins only where it lets a faster layout fit; it is scored with the first TP regime and
+    gradient sync only: titan-run keeps no TP sequence shards under selective checkpointing, and a sync per
+    micro-batch with it would cost the search a third more time for the few layouts that need both.
     ``split_best`` / ``tp_best`` / ``sync_best`` / ``policy_best`` give each value's best step (over the others).
     """
     if rank_by not in RANK_BY:
@@ -133,6 +135,8 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
     for c in pols:
         for g in syncs:
             for a in tpas:
+                if c != pols[0] and (a != tpas[0] or g != syncs[0]):
+                    continue    # the per-op policy with the default TP regime and sync only (see the docstring)
                 for s in splits:
                     wl = dataclasses.replace(workload, pp_split=s, tp_activations=a, pp_grad_sync=g, selective_ac=c)
                     r = (first if (s, a, g, c) == (splits[0], tpas[0], syncs[0], pols[0])
