@@ -145,7 +145,12 @@ def plan_candidates(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, work
                             and r.workload.selective_ac == pols[0]):
                         base[s] = r       # the default regimes of this split: what the others share
                     results.append(r)
+    return _choose(results, splits, tpas, syncs, pols)
 
+
+def _choose(results: list[PlanningResult], splits, tpas, syncs, pols) -> PlanningResult:
+    """Of `plan_candidates`' results (one per searched workload), the one whose best candidate is fastest (else
+    the smallest peak), with each searched value's best step (``split_best`` ... ``policy_best``)."""
     def best_step(r: PlanningResult) -> float | None:
         return float(r.step_time()[r.order[0]]) if r.n_feasible else None
 
