@@ -207,3 +207,24 @@ def test_unknown_policy_is_refused():
     spec = load_model("llama3-debug")
     with pytest.raises(ValueError, match="selective_ac"):
         apply_ac(_OneBlock(spec), "selective", "attention")
+
+
+@pytest.mark.parametrize("name", ["moe-debug", "deepseek-debug"])
+def test_op_policy_on_moe_and_mla_models_changes_no_gradient(name):
+    """The per-op policy counts every matmul of a block, the router's and the experts' included (MoE), and MLA's
+    projections: whatever it drops is recomputed, so the whole model's gradients match no checkpointing."""
+    from executor.init import init_weights
+    from executor.models.llama import Transformer
+    spec = load_model(name)
+    grads = {}
+    for ac, policy in (("none", "matmul"), ("selective", "op")):
+        torch.manual_seed(0)
+        model = Transformer(spec)
+        init_weights(model, model.init_rule, seed=0, device=torch.device("cpu"))
+        apply_ac(model, ac, policy)
+        out = model(torch.randint(0, spec.vocab_size, (2, 32)))
+        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+        grads[ac] = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads["none"])
+    for a, b in zip(grads["none"], grads["selective"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-30)
