@@ -38,8 +38,8 @@ class Workload:
     ``selective_ac`` says what ``ac: selective`` keeps: ``matmul`` (every matmul, attention and
     collective output; pointwise ops are recomputed), ``op`` (TorchTitan's per-op policy: every
     other matmul output, the attention outputs and the reduce-scatters) -- titan-run runs both;
-    ``auto`` (the default) is ``matmul``, or ``op`` where `titan-plan estimate` finds that only
-    it lets a faster layout fit (`selective_policy`) -- or
+    ``auto`` (the default) is ``matmul``, or ``op`` where `titan-plan` (search and estimate) finds
+    that only it lets a faster layout fit (`selective_policy`) -- or
     ``attention`` (Megatron: recompute the attention core only, Korthikanti Sec. 4.3) or
     ``modules`` (Megatron-core's ``recompute_granularity: selective`` with the submodules named by
     ``recompute_modules``; see below).

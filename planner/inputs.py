@@ -45,7 +45,7 @@ WORKLOAD_HELP = {
                          "replicated over tp ranks)",
     "selective_ac": "what 'ac: selective' keeps: matmul (every matmul output) or op (TorchTitan's per-op "
                     "policy: every other one), both run by this executor; auto (default: matmul, or op where "
-                    "only it lets the faster setting fit; estimate says which); attention (Megatron: recompute "
+                    "only it lets the faster setting fit; titan-plan says which); attention (Megatron: recompute "
                     "the attention core only) or modules (Megatron's recompute_modules, see --recompute-modules)",
     "recompute_modules": "with --selective-ac modules: comma-separated Megatron-core submodules to recompute, "
                          "of core_attn (default), layernorm, mla_up_proj, mlp, moe_act, moe, shared_experts",

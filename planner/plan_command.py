@@ -135,8 +135,9 @@ def cmd_plan(args) -> int:
 def _print_ranking(args, q: PlanInputs, res, space, top, elapsed: float) -> None:
     """The text report's first half: the question, the top candidates and the rejection counts."""
     print(q.headline())
-    if implied_framework_note(q):
-        print(f"note: {implied_framework_note(q)}")
+    implied = implied_framework_note(q)
+    if implied:
+        print(f"note: {implied}")
     print(f"scored {res.n_candidates:,} candidates from {res.n_layouts:,} degree layouts in {elapsed:.3f} s; "
           f"{res.n_feasible:,} feasible ({space.name} space)")
     if res.split_best and res.n_feasible and res.table.pp[res.best()] > 1:   # the split of the chosen pipeline

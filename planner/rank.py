@@ -200,9 +200,10 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
               world_size: int, gpus_per_node: int | None, coeffs: Coefficients | None,
               memory_margin: float, rank_by: str, reuse: PlanningResult | None = None) -> PlanningResult:
     """`plan_candidates` for the workload's own pipeline split.  `reuse`: the result of the same split with the
-    gathered TP regime and the deferred gradient sync, when `workload` keeps TP shards or syncs every micro-batch:
-    its enumeration is this one's, and only the candidates the regimes change (tp > 1, or an FSDP-sharded
-    pipeline; runnable under them) are estimated again."""
+    default regimes (gathered TP inputs, the deferred gradient sync, every matmul output kept), when `workload` keeps
+    TP shards, syncs every micro-batch or takes the per-op selective policy: its enumeration is this one's, and only
+    the candidates the regimes change (tp > 1, an FSDP-sharded pipeline, or selective checkpointing; runnable under
+    them) are estimated again."""
     target = C.Target.of(model, world_size=world_size, seq_len=workload.seq_len,
                          global_batch=workload.global_batch,
                          gpus_per_node=gpus_per_node or hw.gpus_per_node,
