@@ -150,12 +150,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                   "recompute all RMSNorm operations and MLA up-projections during back-propagation' (Sec. 3.2.3) "
                   "and the SwiGLU output, whose inputs are cached (Sec. 3.3.3)"),
 )}
-ALIASES = {"nemo": "megatron-bridge"}         # NeMo 2 runs Megatron-core through the same recipes
+ALIASES = {"nemo": "megatron-bridge",          # NeMo 2 runs Megatron-core through the same recipes
+           "megatron": "megatron-lm",         # the stack a megatron state layout implies (planner.inputs)
+           "megatron-core": "megatron-lm", "mcore": "megatron-lm"}
+
+
+def _spelling(name: str) -> str:
+    """A framework name as written by hand: case, spaces and underscores aside ('Megatron_LM' is megatron-lm)."""
+    return "-".join(str(name).strip().lower().replace("_", " ").replace("-", " ").split())
 
 
 def get_framework(name: str) -> Framework:
     """The named regime (or its alias); an unknown name is refused in one line with the allowed names."""
-    key = ALIASES.get(name, name)
+    key = ALIASES.get(_spelling(name), _spelling(name))
     if key not in FRAMEWORKS:
         names = framework_names()
         raise SpecError(f"framework {show(name)} is not known{did_you_mean(name, names)} "

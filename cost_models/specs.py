@@ -419,7 +419,7 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
                         "or the path of a YAML file")
     path = Path(s)
     if not (s.endswith((".yaml", ".yml")) or os.sep in s or _is_file(path)):
-        path = PRESET_DIR / kind / f"{s}.yaml"
+        path = PRESET_DIR / kind / f"{_preset_spelled(kind, s.strip())}.yaml"
         if not _is_file(path):
             known = preset_names(kind)
             hint = did_you_mean(s, known, prefixes=True)
@@ -431,6 +431,40 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
     data = dict(data)
     data.setdefault("name", path.stem)
     return _build(cls, data, str(path))
+
+
+def _preset_spelled(kind: str, name: str) -> str:
+    """The preset a hand-written name means: the name itself; else the one preset it spells but for case and
+    separators ('H800', 'Llama3_8B'); for hardware, else the one preset it begins ('h100-96g'), else the one
+    preset whose GPU device names it matches best ('H100' and 'NVIDIA H100 80GB HBM3' are h100-sxm,
+    'A100-SXM4-80GB' a100-80g; a bare 'A100' names two presets and stays unknown).  Unmatched: the name unchanged."""
+    known = preset_names(kind)
+    if name in known:
+        return name
+    same = [k for k in known if _name_key(k) == _name_key(name)]
+    if len(same) == 1:
+        return same[0]
+    if kind != "hardware" or not _name_key(name):
+        return name
+    begun = [k for k in known if _name_key(k).startswith(_name_key(name))]
+    if len(begun) == 1 and len(_name_key(name)) >= 4:
+        return begun[0]
+    words = _words(name)
+    hits = {}
+    for preset in known:    # a device name's words in a row ('H100' in 'NVIDIA H100 80GB HBM3', not in 'h1000')
+        lengths = [len(w) for w in map(_words, load_hardware(preset).gpu_names)
+                   if any(words[i:i + len(w)] == w for i in range(len(words)))]
+        if lengths:
+            hits[preset] = max(lengths)
+    best = [p for p, n in hits.items() if n == max(hits.values(), default=0)]
+    if len(best) == 1:
+        return best[0]
+    return name
+
+
+def _words(name: str) -> list[str]:
+    """A name's words, lower-case: 'A100-SXM4-80GB' is ['a100', 'sxm4', '80gb']."""
+    return "".join(c if c.isalnum() else " " for c in str(name).lower()).split()
 
 
 def _is_file(path: Path) -> bool:

@@ -195,7 +195,8 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"model preset name or YAML path (default {DEFAULT_MODEL}; "
                                    "'titan-plan list models')")
     p.add_argument("--gpus", type=int, help="number of devices (default: this machine's)")
-    p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's)")
+    p.add_argument("--hardware", help="hardware preset or YAML path (default: this machine's); a preset's name in "
+                                      "any case, or a GPU's device name such as 'H100' or 'A100-SXM4-80GB'")
     p.add_argument("--gpus-per-node", type=int, help="devices per node (default: from the hardware spec)")
     p.add_argument("--nic-gbps", type=float, metavar="GBPS",
                    help="line rate of one inter-node NIC in Gb/s, e.g. 100 for Omni-Path or EFA v1, 400 for NDR "

@@ -26,8 +26,12 @@ def test_every_regime_is_a_valid_workload(name):
 
 def test_aliases_and_unknown_names():
     assert all(get_framework(a) is FRAMEWORKS[b] for a, b in ALIASES.items())
-    with pytest.raises(SpecError, match=r"framework 'megatron' is not known \(did you mean 'megatron-lm'\?\)"):
-        get_framework("megatron")
+    # names as written by hand: case, spaces and underscores aside
+    for spelled, name in [("Megatron-LM", "megatron-lm"), ("megatron_lm", "megatron-lm"), ("NeMo", "megatron-bridge"),
+                          ("Megatron-Core", "megatron-lm"), ("TorchTitan", "torchtitan"), (" titan_run ", "titan-run")]:
+        assert get_framework(spelled) is FRAMEWORKS[name], spelled
+    with pytest.raises(SpecError, match=r"framework 'megatronlm2' is not known \(did you mean 'megatron-lm'\?\)"):
+        get_framework("megatronlm2")
     r = planner_cli("estimate", "--model", "llama3-8b", "--gpus", "8", "--hardware", "h100-sxm", "--framework", "deepspeed")
     err = r.stderr.strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and "megatron-deepspeed" in err, err

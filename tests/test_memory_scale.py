@@ -45,6 +45,26 @@ def test_preset_for_gpu_name(name, memory_gib, preset):
     assert preset_for_gpu_name(name.lower().replace("-", " "), memory_gib) == preset   # case, dashes ignored
 
 
+@pytest.mark.parametrize("spelled, preset", [
+    ("H800", "h800"), ("B200", "b200"), ("A100_80G", "a100-80g"), ("h100-96g", "h100-96g-500w"),
+    ("H100", "h100-sxm"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("A100-SXM4-80GB", "a100-80g"), ("mi300", "mi300x"),
+])
+def test_hardware_names_as_written_by_hand(spelled, preset):
+    """--hardware takes a preset's name but for case and separators, the one preset a name begins, or the one
+    preset a GPU device name matches; a name two presets share is refused with both."""
+    assert load_hardware(spelled) == load_hardware(preset)
+
+
+def test_ambiguous_or_unknown_names_stay_refused():
+    with pytest.raises(SpecError, match=r"unknown hardware 'A100' \(did you mean 'a100-40g' or 'a100-80g'\?\)"):
+        load_hardware("A100")
+    with pytest.raises(SpecError, match="unknown hardware 'V100'"):
+        load_hardware("V100")
+    assert load_model("Llama3-8B") == load_model("llama3-8b")
+    with pytest.raises(SpecError, match="unknown model 'mixtral'"):      # a model name is never completed
+        load_model("mixtral")
+
+
 def test_every_gpu_name_maps_back_to_its_preset():
     for p in preset_names("hardware"):
         hw = load_hardware(p)

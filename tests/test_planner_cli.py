@@ -77,8 +77,8 @@ def test_estimate_from_flags_and_plan_file(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     (["--model", "llama3-7b", "--gpus", "8", "--hardware", "h100-sxm"], "unknown model 'llama3-7b'"),
     (["--model", "llama3-8b", "--gpus", "8", "--hardware", "h1000"], "unknown hardware 'h1000'"),
-    (["--model", "llama3-8b", "--gpus", "8", "--hardware", "h100"],
-     "unknown hardware 'h100' (did you mean 'h100-sxm' or 'h100-96g-500w'?)"),
+    (["--model", "llama3-8b", "--gpus", "8", "--hardware", "a100"],
+     "unknown hardware 'a100' (did you mean 'a100-40g' or 'a100-80g'?)"),
     (["--model", "llama3-405b", "--gpus", "8", "--hardware", "a100-40g", "--seq-len", "8192",
       "--global-batch", "8"], "no layout fits in memory"),
     (["--model", "llama3-8b", "--gpus", "7", "--hardware", "h100-sxm", "--global-batch", "3"], "no layout is legal"),
