@@ -26,7 +26,8 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_bu
 LOGIT_BYTES = 12.0
 
 # DeepSpeed's ZeRO reduce_bucket_size default, in elements (deepspeed/runtime/zero/constants.py
-# ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT, v0.5-0.6): the size of ZeRO-1's contiguous gradient bucket
+# ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT, v0.5-0.6): the gradients ZeRO-1/2 reduce at once
+# (`deepspeed_step_segments`)
 DEEPSPEED_REDUCE_BUCKET = 5e8
 
 
@@ -251,24 +252,23 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
     whose gradients accumulate in the e-byte ``.grad``.
 
     16-bit gradients accumulated by autograd in ``.grad`` (``grad_dtype: bf16``, ``grad_accum: autograd``:
-    DeepSpeed's ZeRO-1/2 fp16 and bf16 path) under an fp32 master copy: the step converts the rank's gradient
-    partition to fp32 (deepspeed/runtime/zero/stage_1_and_2.py ``step``, v0.5.x-0.6: ``single_grad_partition =
-    self.flatten(self.averaged_gradients[i]).to(fp32)``), 4 bytes per master element, allocated after the
-    activations are freed, in a segment the caching allocator then keeps reserved next to theirs (BLOOM's
-    chronicles, section 'Best TFLOPs': DP 1 -> 2 on the same 200B layout lowers the nvidia-smi reading by 22 GB,
-    i.e. 16 bytes per parameter of the first stage's 2.94e9 are sharded: master, moments and this gradient, not
-    12).  Counted on a caching allocator only (on CPU the step's tensors reuse the freed activations' memory).
+    DeepSpeed's ZeRO-1/2 fp16 and bf16 path) under an fp32 master copy: the reduction's bucket copies and the step's
+    copies of the gradient partition (its fp32 partition among them) are allocated after the activations are
+    freed, in segments the caching allocator then keeps reserved next to theirs (`deepspeed_step_segments`;
+    BLOOM's chronicles, section 'Best TFLOPs': 73 GB at DP 1 and 51 GB at DP 2 on the same 200B layout).
+    Counted on a caching allocator only (on CPU the step's tensors reuse the freed activations' memory); without
+    ZeRO the fp32 gradients of every local parameter.
     Megatron-core's distributed optimizer copies its bf16 gradient shard to fp32 as well
     (``_copy_model_grads_to_main_grads``), but no published Megatron-core memory figure shows that copy held in
     the reserved pool, so its fused accumulation (``grad_accum: fused``) does not count it.
-    The same path reduces the gradients through DeepSpeed's contiguous bucket: with a pipeline, ZeRO-1's
-    ``reduce_gradients(pipeline_parallel=True)`` allocates ``ipg_buffer``, ``reduce_bucket_size`` 16-bit
-    elements (DeepSpeed's default 5e8, zero/constants.py; BLOOM's config sets none), at every ReduceGrads,
-    after the activations are freed: counted with the gradients.
     Under ``hp_copy`` the accumulation itself, ``hp_grad.add_(lp.grad.to(fp32))`` per parameter after every
     micro-batch's backward (bf16_optimizer.py ``update_hp_grads``), makes an fp32 temporary of each gradient in
     turn while the other micro-batches' activations are alive: the largest tensor's (a vocabulary shard of
-    the embedding on the end stages) is a segment of its own in the caching allocator's pool."""
+    the embedding on the end stages) is a segment of its own in the caching allocator's pool.  The pipeline engine
+    then all-reduces the fp32 buffer (``_bf16_reduce_grads`` -> engine.py ``allreduce_bucket``): the buffer of each
+    parameter group is one tensor, which ``flatten`` returns as it is, but ``tensor.to(communication_data_type)``
+    copies it to 16 bits first (``communication_data_type`` is fp16 under any ZeRO stage, bf16 without: engine.py
+    at ab61edb0), 2 bytes per local parameter at once, after the activations are freed: a segment of its own too."""
     e = 4.0 if workload.dtype == "fp32" else 2.0
     dense_p, expert_p = rp[f"{which}_dense"], rp[f"{which}_expert"]
     local = dense_p + expert_p
@@ -284,14 +284,70 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
         grads = grads + e * local
         if caching_allocator:    # update_hp_grads' fp32 copy of one .grad at a time, the largest tensor's
             grads = grads + 4.0 * rp[f"{which}_tensor"]
+            # the reduction's 16-bit copy of the whole fp32 gradient buffer, after the activations are freed
+            grads = grads + 2.0 * local
     moments = 2.0 * workload.moment_elem_bytes               # exp_avg, exp_avg_sq (moment_dtype)
     optimizer = (moments + master) * (sh if z >= 1 else local)  # (fp32 master params +) 2 Adam moments
     if caching_allocator and master >= 4.0 and workload.grad_elem_bytes < 4.0 and workload.grad_accum_mode == "autograd":
-        optimizer = optimizer + 4.0 * (sh if z >= 1 else local)          # the step's fp32 gradient partition
-        if z >= 1:
-            grads = grads + np.where(table.pp > 1, DEEPSPEED_REDUCE_BUCKET * workload.grad_elem_bytes, 0.0)
+        if z >= 1:           # the reduce and step transients of DeepSpeed's ZeRO-1/2, in segments of their own
+            grads = grads + deepspeed_step_segments(table, workload, sh, rp[f"{which}_tensor"])
+        else:
+            optimizer = optimizer + 4.0 * local                           # the step's fp32 gradients
     fsdp = fsdp_at_turn = np.zeros(len(table))
     return params, grads, optimizer, fsdp, fsdp_at_turn
+
+
+def deepspeed_step_segments(table, workload, shard, largest) -> np.ndarray:
+    """Bytes the caching allocator reserves for DeepSpeed ZeRO-1/2's gradient reduction and optimizer step
+    (16-bit gradients by autograd under an fp32 master copy), beyond the backward's peak.
+
+    deepspeed/runtime/zero/stage_1_and_2.py (2151c787a, 2022-02-18, the DeepSpeed BLOOM's fp16 runs used), in order,
+    each tensor freed before the next but the last two:
+    1. the reduction: ZeRO-1 forces ``contiguous_gradients`` off (runtime/engine.py ``_configure_zero_optimizer``:
+       "Overlap and contiguous grads are meaningless in stage 1"), so ``reduce_ipg_grads`` goes through
+       ``buffered_reduce_fallback`` -> ``allreduce_bucket``, ``self.flatten(bucket)``: a flat copy of one bucket of
+       up to ``reduce_bucket_size`` (DEEPSPEED_REDUCE_BUCKET) elements, or of one larger tensor alone; ZeRO-2 with
+       a pipeline allocates its ``ipg_buffer`` of that size instead (``reduce_gradients(pipeline_parallel=True)``);
+    2. ``step`` -> ``check_overflow`` -> ``_has_inf_or_nan(grad)``: ``x.float().sum()`` of each gradient view of
+       the rank's partition, 4 bytes per element of the largest;
+    3. ``get_grad_norm_direct``: ``g.data.double().norm(2)``, 8 bytes per element of the largest;
+    4. ``self.flatten(self.averaged_gradients[i]).to(fp32)``: the partition flattened in 16 bits, then its fp32
+       copy, which lives until the update (4 + 2 bytes per partition element at once).
+    The largest view is the rank's largest tensor or its whole partition, whichever is smaller (the first
+    data-parallel rank's partition starts with the first parameter, the embedding on the first stage).
+    The activations are freed by then, but their blocks are a few [s, b, h] tensors each, too small for any of
+    these: each request takes the smallest free block of the segments made so far that holds it (best fit, as the
+    caching allocator does for large blocks), else a segment of its own; the sum of those segments is returned."""
+    e = workload.grad_elem_bytes
+    view = np.minimum(largest, shard)
+    bucket = np.maximum(DEEPSPEED_REDUCE_BUCKET, largest) if workload.zero == 1 else \
+        np.where(table.pp > 1, DEEPSPEED_REDUCE_BUCKET, 0.0)
+    size = np.zeros((0, len(table)))           # segments (rows) per candidate (columns), and the bytes in use
+    used = np.zeros_like(size)
+
+    def alloc(nbytes):
+        nonlocal size, used
+        room = np.where(size - used >= nbytes, size - used, np.inf)
+        best = np.argmin(room, axis=0) if len(size) else np.zeros(len(table), dtype=int)
+        fits = np.isfinite(room[best, np.arange(len(table))]) if len(size) else np.zeros(len(table), dtype=bool)
+        take = (np.arange(len(size))[:, None] == best[None, :]) & fits[None, :] & (nbytes > 0)
+        used = used + np.where(take, nbytes, 0.0)
+        new = np.where(fits | (nbytes <= 0), 0.0, nbytes)
+        size, used = np.vstack([size, new[None, :]]), np.vstack([used, new[None, :]])
+        return take, new > 0
+
+    def free(where, nbytes):
+        nonlocal used
+        take, made = where
+        used = used - np.where(np.vstack([take, np.zeros((len(size) - len(take), len(table)), bool)]), nbytes, 0.0)
+        used[len(take)] -= np.where(made, nbytes, 0.0)
+
+    for nbytes in (e * bucket, 4.0 * view, 8.0 * view):
+        free(alloc(nbytes), nbytes)
+    flat = alloc(e * shard)
+    alloc(4.0 * shard)
+    free(flat, e * shard)
+    return size.sum(axis=0)
 
 
 def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, caching_allocator: bool,
