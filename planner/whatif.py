@@ -311,6 +311,18 @@ def _framework_workloads(args, d, q) -> dict[str, Any]:
     return out
 
 
+def implied_schedule(layout: dict) -> str | None:
+    """Several stages per rank asked without a schedule ("VP 4" in a published table, 1F1B the default) name the
+    interleaved schedule, the one whose stages per rank are free: set it in `layout` and return the note saying
+    so (None when the layout gives a schedule or one stage per rank)."""
+    v = layout.get("stages_per_rank")
+    if "schedule" in layout or v is None or int(v) <= 1:
+        return None
+    layout["schedule"] = "Interleaved1F1B"
+    return (f"schedule not given: 'Interleaved1F1B', the schedule with {int(v)} stages per rank "
+            f"(--schedule ZBV or DualPipeV for theirs, 2 per rank)")
+
+
 def _regime_plan_note(framework: str, key: str, value) -> str:
     """One line for a plan key `key` the question left out and `framework`'s regime set (`Framework.plan_defaults`)."""
     if key == "compile":
@@ -333,6 +345,8 @@ def cmd_estimate(args) -> int:
     regime_plan = fw.plan_defaults(layout, model.n_layers)     # what the regime's runs set, the question leaves out
     layout.update(regime_plan)
     regime_notes = [_regime_plan_note(fw.name, k, v) for k, v in regime_plan.items()]
+    schedule_note = implied_schedule(layout)
+    regime_notes = [schedule_note, *regime_notes] if schedule_note else regime_notes
     plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch,
                         where=where, workload=workload, model=model, ac_choices=fw.ac_choices)
     plan = plans[0]

@@ -382,6 +382,20 @@ def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
     assert "note: reshard not given:" in capsys.readouterr().out
 
 
+def test_estimate_stages_per_rank_without_a_schedule_is_interleaved(capsys):
+    """--stages-per-rank 4 without --schedule (a table's "VP 4"): the interleaved schedule, said in a note, the
+    same prediction as asking for it; one stage per rank keeps 1F1B without a note."""
+    args = [*LLAMA3_405B_T4_LAST, "--ac", "full", "--no-reshard", "--stages-per-rank", "4"]
+    implied = _estimate_json(capsys, *args)
+    asked = _estimate_json(capsys, *args, "--schedule", "Interleaved1F1B")
+    assert implied["plan"]["schedule"] == "Interleaved1F1B" and implied["plan"]["stages_per_rank"] == 4
+    assert implied["predicted"] == asked["predicted"]
+    assert implied["knob_notes"][0].startswith("schedule not given: 'Interleaved1F1B', the schedule with 4 stages")
+    assert not [n for n in asked["knob_notes"] if n.startswith("schedule")]
+    one = _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", "full", "--no-reshard", "--stages-per-rank", "1")
+    assert one["plan"]["schedule"] == "1F1B" and not [n for n in one["knob_notes"] if n.startswith("schedule")]
+
+
 def test_estimate_interleaved_without_stages_per_rank_takes_the_spaces_best(capsys):
     """--schedule Interleaved1F1B without --stages-per-rank: each value of the search space titan-plan would
     take (dense: 2 and 4) is estimated and the fastest that fits is taken and said; given, no choice."""
