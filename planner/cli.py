@@ -154,8 +154,11 @@ def _add_estimate_parser(sub) -> None:
                  ("cp", "context-parallel degree"), ("ep", "expert-parallel degree (within dp_shard*cp)"),
                  ("microbatch", "sequences per micro-batch (default 1)"),
                  ("n-microbatches", "micro-batches per step (default: what the global batch leaves)"),
-                 ("stages-per-rank", "pipeline stages per rank")):
-        pe.add_argument(f"--{k}", type=int, help=h)
+                 ("stages-per-rank", "pipeline stages per rank (alias --vpp, Megatron's virtual pipeline size)")):
+        pe.add_argument(f"--{k}", *(["--vpp"] if k == "stages-per-rank" else []), type=int, help=h)
+    pe.add_argument("--dp", dest="dp_degree", type=int, metavar="N",
+                    help="data-parallel degree, replicas x shards (a published table's DP): --dp-shard is N / "
+                         "--dp-replicate")
     pe.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1F1B)")
     pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default: the fastest of none, "
                     "selective, full that fits; the choice is printed)")
@@ -163,7 +166,7 @@ def _add_estimate_parser(sub) -> None:
                     default=None,
                     help="FSDP reshard after forward (default: not given, the faster setting that fits, as for --ac)")
     pe.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile")
-    pe.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None, help="float8 linears")
+    pe.add_argument("--float8", "--fp8", action=argparse.BooleanOptionalAction, default=None, help="float8 linears")
     pe.add_argument("--backend", choices=BACKENDS, help="executor backend (default spmd_types)")
     pe.add_argument("--json", action="store_true", help="print JSON")
     pe.set_defaults(func=cmd_estimate)

@@ -50,6 +50,7 @@ def estimate_layout(args, given: dict) -> dict:
     micro-batch count (from the global batch) unless --n-microbatches is given.
     """
     flags = {k: getattr(args, k) for k in PLAN_KEYS if getattr(args, k, None) is not None}
+    flags.update(_dp_degree_flags(getattr(args, "dp_degree", None), flags))
     layout = dict(given)
     layout.pop("n_microbatches", None)
     if "dp_shard" not in flags and any(k in flags for k in ("dp_replicate", "pp", "tp", "cp")):
@@ -60,6 +61,19 @@ def estimate_layout(args, given: dict) -> dict:
         layout.pop("microbatch", None)
     layout.update(flags)
     return layout
+
+
+def _dp_degree_flags(dp, flags: dict) -> dict:
+    """--dp N (the data-parallel degree, replicas x shards) as --dp-shard: N / --dp-replicate; refused in one
+    line when they disagree."""
+    if dp is None:
+        return {}
+    rep = int(flags.get("dp_replicate", 1))
+    if dp < 1 or dp % rep:
+        raise UsageError(f"--dp {dp} must be a positive multiple of --dp-replicate {rep}")
+    if "dp_shard" in flags and rep * int(flags["dp_shard"]) != dp:
+        raise UsageError(f"--dp {dp} is not --dp-replicate {rep} x --dp-shard {flags['dp_shard']}; give one of them")
+    return {"dp_shard": dp // rep}
 
 
 AC_ORDER = ("none", "selective", "full")      # the settings choose_ac compares, in that order
@@ -320,7 +334,7 @@ def implied_schedule(layout: dict) -> str | None:
         return None
     layout["schedule"] = "Interleaved1F1B"
     return (f"schedule not given: 'Interleaved1F1B', the schedule with {int(v)} stages per rank "
-            f"(--schedule ZBV or DualPipeV for theirs, 2 per rank)")
+            f"(--schedule ZBVZeroBubble or DualPipeV for theirs, 2 per rank)")
 
 
 def _regime_plan_note(framework: str, key: str, value) -> str:

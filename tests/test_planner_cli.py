@@ -396,6 +396,22 @@ def test_estimate_stages_per_rank_without_a_schedule_is_interleaved(capsys):
     assert one["plan"]["schedule"] == "1F1B" and not [n for n in one["knob_notes"] if n.startswith("schedule")]
 
 
+def test_estimate_published_table_spellings(capsys):
+    """A published table's DP, VP and FP8 columns as flags: --dp N is --dp-shard N / --dp-replicate, --vpp is
+    --stages-per-rank, --fp8 is --float8; --dp that contradicts --dp-shard is refused in one line, exit 2."""
+    base = ["--model", "llama3-70b", "--gpus", "64", "--hardware", "h100-sxm", "--tp", "4", "--pp", "2",
+            "--seq-len", "8192", "--global-batch", "64", "--ac", "full", "--no-reshard"]
+    spelled = _estimate_json(capsys, *base, "--dp", "8", "--vpp", "2", "--fp8")
+    plain = _estimate_json(capsys, *base, "--dp-shard", "8", "--schedule", "Interleaved1F1B", "--stages-per-rank",
+                           "2", "--float8")
+    assert spelled["plan"] == plain["plan"] and spelled["predicted"] == plain["predicted"]
+    hsdp = _estimate_json(capsys, *base, "--dp", "8", "--dp-replicate", "2")
+    assert (hsdp["plan"]["dp_replicate"], hsdp["plan"]["dp_shard"]) == (2, 4)
+    assert main(["estimate", *base, "--dp", "8", "--dp-shard", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--dp 8 is not --dp-replicate 1 x --dp-shard 4; give one of them") and len(err.splitlines()) == 1
+
+
 def test_estimate_interleaved_without_stages_per_rank_takes_the_spaces_best(capsys):
     """--schedule Interleaved1F1B without --stages-per-rank: each value of the search space titan-plan would
     take (dense: 2 and 4) is estimated and the fastest that fits is taken and said; given, no choice."""
