@@ -142,6 +142,35 @@ def _add_trial_flags(pp) -> None:
     t.add_argument("--run-root", default="runs/trials", help="where trial run folders go (default runs/trials)")
 
 
+# schedule names as papers and other frameworks write them (letters and digits only, lower case)
+SCHEDULE_ALIASES = {"interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "interleaved1f1b": "Interleaved1F1B",
+                    "zbv": "ZBVZeroBubble", "zerobubble": "ZBVZeroBubble", "zbvzerobubble": "ZBVZeroBubble",
+                    "dualpipe": "DualPipeV", "dualpipev": "DualPipeV", "gpipe": "GPipe", "1f1b": "1F1B", "pipedreamflush": "1F1B"}
+
+
+def schedule_name(text: str) -> str:
+    """--schedule's value: a schedule of SCHEDULES in any case, or the name a paper gives it (DualPipe runs as
+    DualPipeV, the zero-bubble V schedule as ZBVZeroBubble); anything else refused with the allowed names."""
+    key = "".join(ch for ch in str(text).lower() if ch.isalnum())
+    if key in SCHEDULE_ALIASES:
+        return SCHEDULE_ALIASES[key]
+    raise argparse.ArgumentTypeError(f"unknown schedule {text!r} (allowed: {', '.join(SCHEDULES)}; "
+                                     f"also interleaved, zero-bubble, dualpipe)")
+
+
+class _ScheduleAction(argparse.Action):
+    """--schedule: the schedule `schedule_name` reads, and ``schedule_dualpipe`` when it was asked as DeepSeek's
+    DualPipe (two parameter copies per rank), which the estimate runs as its V-shaped variant and says so."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            name = schedule_name(values)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, name)
+        namespace.schedule_dualpipe = name == "DualPipeV" and not str(values).lower().replace(" ", "").endswith("v")
+
+
 def _add_estimate_parser(sub) -> None:
     pe = sub.add_parser("estimate", help="predict one given layout (what-if), with breakdowns",
                         description="Predict step time, throughput, MFU and memory of one layout, from a "
@@ -159,7 +188,9 @@ def _add_estimate_parser(sub) -> None:
     pe.add_argument("--dp", dest="dp_degree", type=int, metavar="N",
                     help="data-parallel degree, replicas x shards (a published table's DP): --dp-shard is N / "
                          "--dp-replicate")
-    pe.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1F1B)")
+    pe.add_argument("--schedule", action=_ScheduleAction, metavar="{" + ",".join(SCHEDULES) + "}",
+                    help="pipeline schedule (default 1F1B; any case, and as papers name them: interleaved, "
+                         "zero-bubble / zbv, dualpipe)")
     pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default: the fastest of none, "
                     "selective, full that fits; the choice is printed)")
     pe.add_argument("--reshard", dest="reshard_after_forward", action=argparse.BooleanOptionalAction,

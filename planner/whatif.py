@@ -325,6 +325,11 @@ def _framework_workloads(args, d, q) -> dict[str, Any]:
     return out
 
 
+DUALPIPE_NOTE = ("schedule 'DualPipe' predicted as DualPipeV, its V-shaped variant: the same overlap of each "
+                 "micro-batch pair's forward and backward and all-to-alls, one parameter copy per rank where DualPipe "
+                 "keeps two")
+
+
 def implied_schedule(layout: dict) -> str | None:
     """Several stages per rank asked without a schedule ("VP 4" in a published table, 1F1B the default) name the
     interleaved schedule, the one whose stages per rank are free: set it in `layout` and return the note saying
@@ -359,7 +364,7 @@ def cmd_estimate(args) -> int:
     regime_plan = fw.plan_defaults(layout, model.n_layers)     # what the regime's runs set, the question leaves out
     layout.update(regime_plan)
     regime_notes = [_regime_plan_note(fw.name, k, v) for k, v in regime_plan.items()]
-    schedule_note = implied_schedule(layout)
+    schedule_note = implied_schedule(layout) or (DUALPIPE_NOTE if getattr(args, "schedule_dualpipe", False) else None)
     regime_notes = [schedule_note, *regime_notes] if schedule_note else regime_notes
     plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch,
                         where=where, workload=workload, model=model, ac_choices=fw.ac_choices)

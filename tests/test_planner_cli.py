@@ -412,6 +412,25 @@ def test_estimate_published_table_spellings(capsys):
     assert err.endswith("--dp 8 is not --dp-replicate 1 x --dp-shard 4; give one of them") and len(err.splitlines()) == 1
 
 
+def test_estimate_schedule_names_as_papers_write_them(capsys):
+    """--schedule takes the schedules in any case and by the names papers give them; DeepSeek's DualPipe is
+    predicted as DualPipeV with a note that says so; an unknown name is refused in one line, exit 2."""
+    base = ["--model", "llama3-70b", "--gpus", "64", "--hardware", "h100-sxm", "--tp", "8", "--pp", "4",
+            "--seq-len", "8192", "--global-batch", "64", "--ac", "full", "--no-reshard"]
+    for spelled, name in [("interleaved", "Interleaved1F1B"), ("Interleaved 1F1B", "Interleaved1F1B"),
+                          ("zero-bubble", "ZBVZeroBubble"), ("1f1b", "1F1B"), ("dualpipev", "DualPipeV")]:
+        doc = _estimate_json(capsys, *base, "--schedule", spelled)
+        assert doc["plan"]["schedule"] == name, spelled
+        assert not [n for n in doc["knob_notes"] if "DualPipe'" in n], spelled
+    deepseek = _estimate_json(capsys, *base, "--schedule", "DualPipe")
+    assert deepseek["plan"]["schedule"] == "DualPipeV"
+    assert deepseek["knob_notes"][0].startswith("schedule 'DualPipe' predicted as DualPipeV")
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", *base, "--schedule", "PipeDream-2BW"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "unknown schedule 'PipeDream-2BW'" in err and "DualPipeV" in err
+
+
 def test_estimate_interleaved_without_stages_per_rank_takes_the_spaces_best(capsys):
     """--schedule Interleaved1F1B without --stages-per-rank: each value of the search space titan-plan would
     take (dense: 2 and 4) is estimated and the fastest that fits is taken and said; given, no choice."""
