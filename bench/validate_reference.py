@@ -386,7 +386,8 @@ def build_case(row) -> Case:
     korthikanti = source == "korthikanti"
     materialized = source in MATERIALIZED
     state = "fsdp2" if (not megatron or fsdp > 0) else "megatron"
-    zero = int(par["zero"]) if isinstance(par.get("zero"), int) else 1
+    # a ZeRO stage is the megatron layout's; FSDP shards everything (ZeRO-3), which `titan-plan estimate` says
+    zero = (int(par["zero"]) if isinstance(par.get("zero"), int) else 1) if state == "megatron" else 3
     compile_ = regime_plan.get("compile", False) or "compile" in text or "asynctp" in rid.lower()
     stated = str(par.get("compile", "")).lower()        # a row's own compile field, where it says on or off
     if stated.startswith(("torch.compile on", "on", "true")):

@@ -156,6 +156,7 @@ class PlanInputs:
     calibration: str | None = None
     framework: str = "titan-run"  # the regime the workload and overlap defaults came from (--framework)
     framework_implied: bool = False   # not given: taken from the state layout (`IMPLIED_FRAMEWORK`)
+    layout_from_zero: bool = False    # the state layout not given either: megatron, the one whose ZeRO --zero set
     nics_given: bool = False      # --nic-gbps / --gpus-per-nic (or the plan file's) replaced the spec's NICs
 
     def echo(self) -> dict[str, Any]:
@@ -279,7 +280,9 @@ def implied_framework_note(q: "PlanInputs") -> str | None:
     """One line when the regime was taken from the state layout, else None."""
     if not q.framework_implied:
         return None
-    return (f"framework not given: '{q.framework}', the stack a {q.workload.state_layout} state layout describes "
+    zero = (f"state-layout not given: 'megatron', the layout whose ZeRO stage --zero {q.workload.zero} is (fsdp2 "
+            f"shards everything, ZeRO-3); " if q.layout_from_zero else "")
+    return (f"{zero}framework not given: '{q.framework}', the stack a {q.workload.state_layout} state layout describes "
             f"(titan-run holds fsdp2 state); --framework NAME for another, e.g. megatron-bridge, megatron-deepspeed")
 
 
@@ -307,7 +310,11 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
                 d.get("gpus_per_nic"))
     hw = _with_nics(hw, *nic_args)
     fw_name = _given(getattr(args, "framework", None), d.get("framework"), False)
-    layout = _given(getattr(args, "state_layout", None), (d.get("workload") or {}).get("state_layout"), "fsdp2")
+    zero = _given(getattr(args, "zero", None), (d.get("workload") or {}).get("zero"), None)
+    partial_zero = isinstance(zero, int) and not isinstance(zero, bool) and zero < 3
+    layout = _given(getattr(args, "state_layout", None), (d.get("workload") or {}).get("state_layout"), None)
+    by_zero = layout is None and fw_name is False and partial_zero      # ZeRO-0/1/2 exist in the megatron layout
+    layout = "megatron" if by_zero else (layout or "fsdp2")
     implied = fw_name is False and layout in IMPLIED_FRAMEWORK
     fw = get_framework(IMPLIED_FRAMEWORK[layout] if implied else ("titan-run" if fw_name is False else fw_name))
     # implied, the regime leaves the gradient dtype to the estimate's comparison (`whatif.workload_variants`):
@@ -315,10 +322,15 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     base = {k: v for k, v in fw.workload.items() if not (implied and k == "grad_dtype")}
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
                                 where=f"{where}: workload", base=base)
+    if partial_zero and workload.state_layout == "fsdp2":
+        raise SpecError(f"--zero {zero} (workload key 'zero') is a megatron state layout's ZeRO stage; the fsdp2 layout "
+                        f"of framework {fw.name} shards parameters, gradients and optimizer states (ZeRO-3): add "
+                        f"--state-layout megatron, or drop --zero")
     coeffs = Coefficients.load(args.calibration) if args.calibration else None
     return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
                       local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),
                       calibration=args.calibration, framework=fw.name, framework_implied=implied,
+                      layout_from_zero=by_zero,
                       nics_given=any(v is not None for v in nic_args))
 
 
@@ -349,8 +361,8 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
 
 
 def _given(*values: Any) -> Any:
-    """The first value that is not None (a flag, then the plan file, then the default)."""
-    return next(v for v in values if v is not None)
+    """The first value that is not None (a flag, then the plan file, then the default); None if all are."""
+    return next((v for v in values if v is not None), None)
 
 
 def _with_nics(hw: HardwareSpec, nic_flag, nic_file, per_flag, per_file) -> HardwareSpec:

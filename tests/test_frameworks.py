@@ -225,3 +225,24 @@ def test_a_megatron_state_layout_without_a_framework_is_read_as_megatron_lm(tmp_
     r = planner_cli("--model", "llama3-8b", "--hardware", "h100-sxm", "--gpus", "16", "--seq-len", "2048",
                     "--global-batch", "64", "--state-layout", "megatron", "--no-write")
     assert r.returncode == 0 and "note: framework not given: 'megatron-lm'" in r.stdout, r.stderr
+
+
+def test_a_partial_zero_stage_without_a_layout_is_the_megatron_layout():
+    """ZeRO-0/1/2 exist in the megatron state layout only (fsdp2 shards everything, ZeRO-3): --zero 1 without
+    --state-layout and --framework is read as the megatron layout under megatron-lm's regime, the same prediction,
+    with a note that says both; --zero 3 leaves titan-run's fsdp2; a partial stage with an fsdp2 layout, stated or
+    a framework's, is refused in one line, exit 2."""
+    args = [*MBRIDGE_70B, "--no-float8", "--ac", "selective"]
+    by_zero = json.loads(planner_cli(*args, "--zero", "1", "--json").stdout)
+    layout = json.loads(planner_cli(*args, "--zero", "1", "--state-layout", "megatron", "--json").stdout)
+    assert by_zero["workload"]["state_layout"] == "megatron" and by_zero["inputs"]["framework"] == "megatron-lm"
+    assert by_zero["predicted"] == layout["predicted"]
+    assert by_zero["knob_notes"][0].startswith("state-layout not given: 'megatron', the layout whose ZeRO stage "
+                                               "--zero 1 is")
+    assert not layout["knob_notes"][0].startswith("state-layout")
+    three = json.loads(planner_cli(*args, "--zero", "3", "--json").stdout)
+    assert three["workload"]["state_layout"] == "fsdp2" and three["inputs"]["framework"] == "titan-run"
+    for extra in (["--state-layout", "fsdp2"], ["--framework", "torchtitan"]):
+        r = planner_cli(*args, "--zero", "1", *extra)
+        err = r.stderr.strip()
+        assert r.returncode == 2 and len(err.splitlines()) == 1 and "is a megatron state layout's ZeRO stage" in err

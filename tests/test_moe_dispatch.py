@@ -123,14 +123,14 @@ BASE = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--hardware", "h
 
 
 # the pipeline memory keys (tests/test_pp_memory_keys.py) on the same layout, pipelined under the fsdp2 layout
-PP_FSDP2 = {"flags": ("--state-layout", "fsdp2", "--pp", "2", "--ep", "8", "--schedule", "Interleaved1F1B",
-                      "--stages-per-rank", "2"),
+PP_FSDP2 = {"flags": ("--state-layout", "fsdp2", "--zero", "3", "--pp", "2", "--ep", "8", "--schedule",
+                      "Interleaved1F1B", "--stages-per-rank", "2"),
             "plan": {"dp_shard": 8, "pp": 2, "ep": 8, "schedule": "Interleaved1F1B", "stages_per_rank": 2},
-            "workload": {"state_layout": "fsdp2"}}
+            "workload": {"state_layout": "fsdp2", "zero": 3}}
 # ... with the gradient sync stated, so that the estimate chooses none of the keys (an unstated sync is taken as
 # every_microbatch where only that fits: tests/test_planner_cli.py)
 PP_FSDP2_LAST = {"flags": (*PP_FSDP2["flags"], "--pp-grad-sync", "last_microbatch"), "plan": PP_FSDP2["plan"],
-                 "workload": {"state_layout": "fsdp2", "pp_grad_sync": "last_microbatch"}}
+                 "workload": {"state_layout": "fsdp2", "zero": 3, "pp_grad_sync": "last_microbatch"}}
 
 
 @pytest.mark.parametrize("key, value, default, term, lower, bad_flag, allowed, extra", [

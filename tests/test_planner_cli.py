@@ -220,7 +220,10 @@ def test_plan_file_workload_keys_are_read_and_typos_refused(tmp_path, capsys):
     # (bf16 gradients are the megatron layout's: switching the layout by flag also sets them back)
     r = run_cli("estimate", "--plan", str(f), "--state-layout", "fsdp2")
     assert r.returncode == 2 and "'grad_dtype' is 'bf16' with state_layout 'fsdp2'" in r.stderr, r.stderr
-    doc = _estimate_json(capsys, "--plan", str(f), "--state-layout", "fsdp2", "--grad-dtype", "fp32",
+    # (and the file's ZeRO-1 is the megatron layout's: fsdp2 takes --zero 3 or none, else a one-line refusal)
+    r = run_cli("estimate", "--plan", str(f), "--state-layout", "fsdp2", "--grad-dtype", "fp32")
+    assert r.returncode == 2 and "--zero 1 (workload key 'zero') is a megatron state layout's" in r.stderr, r.stderr
+    doc = _estimate_json(capsys, "--plan", str(f), "--state-layout", "fsdp2", "--grad-dtype", "fp32", "--zero", "3",
                          "--sequence-parallel", "--tp", "4")
     assert doc["workload"]["state_layout"] == "fsdp2" and doc["workload"]["sequence_parallel"] is True
     assert (doc["plan"]["tp"], doc["plan"]["dp_shard"]) == (4, 4)     # dp_shard re-derived for the new tp
