@@ -158,6 +158,14 @@ def schedule_name(text: str) -> str:
                                      f"also interleaved, zero-bubble, dualpipe)")
 
 
+# Megatron-LM's own flag names (megatron/training/arguments.py) for the plan's degrees, accepted as they are written in
+# a launch script (the workload's: --seq-length and --global-batch-size, planner.inputs)
+MEGATRON_SPELLINGS = {"tp": ("--tensor-model-parallel-size",), "pp": ("--pipeline-model-parallel-size",),
+                      "cp": ("--context-parallel-size",), "ep": ("--expert-model-parallel-size",),
+                      "microbatch": ("--micro-batch-size",),
+                      "stages-per-rank": ("--vpp", "--virtual-pipeline-model-parallel-size")}
+
+
 class _ScheduleAction(argparse.Action):
     """--schedule: the schedule `schedule_name` reads, and ``schedule_dualpipe`` when it was asked as DeepSeek's
     DualPipe (two parameter copies per rank), which the estimate runs as its V-shaped variant and says so."""
@@ -183,8 +191,8 @@ def _add_estimate_parser(sub) -> None:
                  ("cp", "context-parallel degree"), ("ep", "expert-parallel degree (within dp_shard*cp)"),
                  ("microbatch", "sequences per micro-batch (default 1)"),
                  ("n-microbatches", "micro-batches per step (default: what the global batch leaves)"),
-                 ("stages-per-rank", "pipeline stages per rank (alias --vpp, Megatron's virtual pipeline size)")):
-        pe.add_argument(f"--{k}", *(["--vpp"] if k == "stages-per-rank" else []), type=int, help=h)
+                 ("stages-per-rank", "pipeline stages per rank (Megatron's virtual pipeline size)")):
+        pe.add_argument(f"--{k}", *MEGATRON_SPELLINGS.get(k, ()), type=int, help=h)
     pe.add_argument("--dp", dest="dp_degree", type=int, metavar="N",
                     help="data-parallel degree, replicas x shards (a published table's DP): --dp-shard is N / "
                          "--dp-replicate")

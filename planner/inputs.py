@@ -213,11 +213,11 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
                         "runs set that the question leaves out, with a note: the Megatron stacks' fused kernels "
                         "(as --compile), llama3-meta's interleaved schedule and no reshard")
     w = p.add_argument_group("workload (each also a key of a plan file's 'workload:')")
-    w.add_argument("--seq-len", type=int, help="sequence length (default: 8192, or 256 for debug models)")
+    w.add_argument("--seq-len", "--seq-length", type=int, help="sequence length (default: 8192, or 256 for debug models)")
     g = w.add_mutually_exclusive_group()
     g.add_argument("--global-batch-tokens", help="tokens per optimizer step; K/M/G suffixes are binary "
                                                  "(4M = 4*2^20) (default: about 1M tokens)")
-    g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    g.add_argument("--global-batch", "--global-batch-size", type=int, help="sequences per optimizer step")
     hints = typing.get_type_hints(Workload)
     for key in WORKLOAD_FLAGS:
         flag = "--" + key.replace("_", "-")

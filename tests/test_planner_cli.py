@@ -408,6 +408,13 @@ def test_estimate_published_table_spellings(capsys):
     plain = _estimate_json(capsys, *base, "--dp-shard", "8", "--schedule", "Interleaved1F1B", "--stages-per-rank",
                            "2", "--float8")
     assert spelled["plan"] == plain["plan"] and spelled["predicted"] == plain["predicted"]
+    # a Megatron-LM launch script's own flag names
+    megatron = _estimate_json(capsys, "--model", "llama3-70b", "--gpus", "64", "--hardware", "h100-sxm",
+                              "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                              "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                              "--global-batch-size", "64", "--seq-length", "8192", "--ac", "full", "--no-reshard",
+                              "--fp8")
+    assert megatron["plan"] == plain["plan"] and megatron["predicted"] == plain["predicted"]
     hsdp = _estimate_json(capsys, *base, "--dp", "8", "--dp-replicate", "2")
     assert (hsdp["plan"]["dp_replicate"], hsdp["plan"]["dp_shard"]) == (2, 4)
     assert main(["estimate", *base, "--dp", "8", "--dp-shard", "4"]) == 2
