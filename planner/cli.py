@@ -199,8 +199,9 @@ def _add_estimate_parser(sub) -> None:
     pe.add_argument("--schedule", action=_ScheduleAction, metavar="{" + ",".join(SCHEDULES) + "}",
                     help="pipeline schedule (default 1F1B; any case, and as papers name them: interleaved, "
                          "zero-bubble / zbv, dualpipe)")
-    pe.add_argument("--ac", choices=AC_MODES, help="activation checkpointing (default: the fastest of none, "
-                    "selective, full that fits; the choice is printed)")
+    pe.add_argument("--ac", "--recompute-granularity", choices=AC_MODES,
+                    help="activation checkpointing (default: the fastest of none, selective, full that fits; the "
+                         "choice is printed; --recompute-granularity is Megatron-LM's name)")
     pe.add_argument("--reshard", dest="reshard_after_forward", action=argparse.BooleanOptionalAction,
                     default=None,
                     help="FSDP reshard after forward (default: not given, the faster setting that fits, as for --ac)")

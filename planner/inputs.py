@@ -231,6 +231,8 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
             w.add_argument(flag, dest=key, metavar="A,B,...", type=_comma_list, help=WORKLOAD_HELP[key])
         else:
             w.add_argument(flag, dest=key, type=typ, help=WORKLOAD_HELP[key])
+    w.add_argument("--use-distributed-optimizer", dest="zero", action="store_const", const=1,
+                   help="Megatron-LM's flag: --zero 1 (the megatron layout's distributed optimizer)")
 
 
 def _comma_list(s: str) -> tuple[str, ...]:

@@ -415,6 +415,9 @@ def test_estimate_published_table_spellings(capsys):
                               "--global-batch-size", "64", "--seq-length", "8192", "--ac", "full", "--no-reshard",
                               "--fp8")
     assert megatron["plan"] == plain["plan"] and megatron["predicted"] == plain["predicted"]
+    dist_opt = _estimate_json(capsys, *base, "--recompute-granularity", "selective", "--use-distributed-optimizer")
+    layout = _estimate_json(capsys, *base, "--ac", "selective", "--state-layout", "megatron", "--zero", "1")
+    assert dist_opt["workload"]["state_layout"] == "megatron" and dist_opt["predicted"] == layout["predicted"]
     hsdp = _estimate_json(capsys, *base, "--dp", "8", "--dp-replicate", "2")
     assert (hsdp["plan"]["dp_replicate"], hsdp["plan"]["dp_shard"]) == (2, 4)
     assert main(["estimate", *base, "--dp", "8", "--dp-shard", "4"]) == 2
