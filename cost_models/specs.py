@@ -418,7 +418,14 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
         raise SpecError(f"{what}: an empty name; give a preset name ({', '.join(preset_names(kind))}) "
                         "or the path of a YAML file")
     path = Path(s)
-    if not (s.endswith((".yaml", ".yml")) or os.sep in s or _is_file(path)):
+    published = _published_model(s) if kind == "models" and not _is_file(path) else None
+    if published:
+        path = PRESET_DIR / kind / f"{published}.yaml"
+    elif kind == "models" and s.count("/") == 1 and not s.endswith((".yaml", ".yml")) and not path.exists():
+        raise SpecError(f"unknown model {show(s)}: not a file, and no preset is published under that name (known: "
+                        f"{', '.join(preset_names(kind))}); for a Hugging Face model, give hf:DIR, a folder with its "
+                        f"config.json")
+    elif not (s.endswith((".yaml", ".yml")) or os.sep in s or _is_file(path)):
         path = PRESET_DIR / kind / f"{_preset_spelled(kind, s.strip())}.yaml"
         if not _is_file(path):
             known = preset_names(kind)
@@ -431,6 +438,38 @@ def _load(kind: str, name_or_path: str | os.PathLike, cls):
     data = dict(data)
     data.setdefault("name", path.stem)
     return _build(cls, data, str(path))
+
+
+# The names the model presets are published under (Hugging Face hub ids, as their papers name them), which --model
+# reads as the preset: the same architecture (Llama 3, 3.1 and 3.3 of one size share their dimensions; the preset is
+# 3.1's, with its 128K context).  A checkpoint at hand is read with hf:DIR instead (its config.json).
+PUBLISHED_MODEL_NAMES = {
+    "llama3-8b": ("meta-llama/Meta-Llama-3-8B", "meta-llama/Llama-3.1-8B", "Llama 3.1 8B"),
+    "llama3-70b": ("meta-llama/Meta-Llama-3-70B", "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.3-70B",
+                   "Llama 3.1 70B"),
+    "llama3-405b": ("meta-llama/Llama-3.1-405B", "meta-llama/Meta-Llama-3.1-405B", "Llama 3.1 405B"),
+    "deepseek-v3-671b": ("deepseek-ai/DeepSeek-V3", "DeepSeek-V3 671B"),
+    "deepseek-v2-236b": ("deepseek-ai/DeepSeek-V2", "DeepSeek-V2 236B"),
+    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B"),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B",),
+}
+_RELEASE_SUFFIXES = ("instruct", "base", "chat", "hf")
+
+
+def _model_key(name: str) -> str:
+    """A published model name reduced for matching: the part after the hub organisation, letters and digits in lower
+    case, without a release suffix ('meta-llama/Llama-3.1-70B-Instruct' -> 'llama3170b')."""
+    key = _name_key(str(name).rsplit("/", 1)[-1])
+    for suffix in _RELEASE_SUFFIXES:
+        key = key[: -len(suffix)] if key.endswith(suffix) and len(key) > len(suffix) else key
+    return key
+
+
+def _published_model(name: str) -> str | None:
+    """The model preset published as `name` (PUBLISHED_MODEL_NAMES), or None."""
+    key = _model_key(name)
+    hits = [p for p, names in PUBLISHED_MODEL_NAMES.items() if key in map(_model_key, names)]
+    return hits[0] if len(hits) == 1 else None
 
 
 def _preset_spelled(kind: str, name: str) -> str:

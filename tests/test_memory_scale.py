@@ -65,6 +65,22 @@ def test_ambiguous_or_unknown_names_stay_refused():
         load_model("mixtral")
 
 
+@pytest.mark.parametrize("published, preset", [
+    ("meta-llama/Meta-Llama-3-70B", "llama3-70b"), ("meta-llama/Llama-3.1-405B-Instruct", "llama3-405b"),
+    ("deepseek-ai/DeepSeek-V3-Base", "deepseek-v3-671b"), ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"), ("Llama 3.1 8B", "llama3-8b"),
+])
+def test_model_presets_by_their_published_names(published, preset):
+    """--model takes a preset by the name it is published under (a Hugging Face hub id, release suffixes aside);
+    a hub id no preset has is refused in one line that points to hf:DIR."""
+    assert load_model(published) == load_model(preset)
+
+
+def test_an_unknown_hub_id_points_to_hf_dir():
+    with pytest.raises(SpecError, match=r"unknown model 'org/no-such-model': not a file, .* give hf:DIR"):
+        load_model("org/no-such-model")
+
+
 def test_every_gpu_name_maps_back_to_its_preset():
     for p in preset_names("hardware"):
         hw = load_hardware(p)
