@@ -104,11 +104,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               {**_MEGATRON, "attention_impl": "materialized", "dropout": True},
               why="no flash attention yet: QK^T, the fused scaled-masked softmax, dropout and PV, all kept"),
     Framework("megatron-bridge", "NVIDIA Megatron-Bridge / NeMo 2 performance recipes (Megatron-core)",
-              {**_MEGATRON, "grad_dtype": "bf16", "loss_impl": "fused", "tp_comm_overlap": "full", "expert_tp": "1"},
+              {**_MEGATRON, "grad_dtype": "bf16", "loss_impl": "fused", "tp_comm_overlap": "full"},
               why="the recipes set grad_reduce_in_fp32 = False, cross_entropy_loss_fusion and TP communication "
-                  "overlap (userbuffers) on; their MoE models with TP > 1 keep whole experts on every TP rank "
-                  "(expert_tensor_parallel_size 1: DeepSeek-V3 at v0.1.0rc3, Qwen3-235B-A22B at v0.2.0-v0.4.2, "
-                  "bench/reference_recipes.yaml)"),
+                  "overlap (userbuffers) on"),
     Framework("megatron-deepspeed", "Megatron-DeepSpeed of 2022 (BLOOM) with DeepSpeed's BF16 optimizer",
               {**_MEGATRON, "attention_impl": "materialized", "dropout": True, "sequence_parallel": False,
                "grad_accum": "hp_copy", "dp_comm_overlap": "none", "pp_split": "layers"},

@@ -37,7 +37,8 @@ from search_spaces.table import CandidateTable
 from . import report
 from search_spaces.space import load_space
 
-from .inputs import UsageError, implied_framework_note, read_question, resolve_inputs, resolve_workload
+from .inputs import (WORKLOAD_FLAGS, UsageError, implied_framework_note, read_question, resolve_inputs,
+                     resolve_workload)
 from .plan_command import default_space
 from .remedies import format_remedies, framework_regimes, remedies
 
@@ -155,7 +156,19 @@ def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
     return chosen, est, i, ac_note, notes
 
 
-def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, str]:
+def recompute_module_ladder(model) -> list[tuple[str, ...]]:
+    """Megatron-core's selective recompute beyond the attention core, in the order its cost grows, as a Megatron
+    user reaches for it when the default does not fit: the norms (and, where the model has them, the experts'
+    activation and MLA's up projections: the modules Megatron-core's MoE guidance and DeepSeek-V3's report name),
+    then the dense FFNs (and shared experts), then whole MoE layers.  Each set holds the one before."""
+    cheap = ["core_attn", "layernorm", *(["moe_act"] if model.is_moe else []),
+             *(["mla_up_proj"] if model.attention == "mla" else [])]
+    ffn = [*cheap, "mlp", *(["shared_experts"] if model.is_moe and model.n_shared_experts else [])]
+    return [tuple(cheap), tuple(ffn), *([(*ffn, "moe")] if model.is_moe else [])]
+
+
+def workload_variants(workload, plans: list[Plan] | None = None, model=None,
+                      stated: frozenset = frozenset()) -> tuple[list, str]:
     """The workloads an estimate compares for a workload key the question leaves unstated, in the order
     preferred, and the rule that picks one (:func:`estimate_choosing_workload`):
 
@@ -173,9 +186,18 @@ def workload_variants(workload, plans: list[Plan] | None = None) -> tuple[list, 
       plan under ``ac: selective``: every matmul output kept and TorchTitan's per-op policy (``op``: every other
       matmul recomputed); every combination, the defaults first.
 
+    * a megatron layout whose selective recompute is Megatron's default (the attention core) and not stated
+      (`stated`: the workload keys the question gives), with a plan under ``ac: selective``: that default and each
+      module set of :func:`recompute_module_ladder` for `model`, rule ``fastest`` (the ladder only where the
+      main gradients' dtype is given: a bf16 run leaves it to the comparison above).
+
     Otherwise just `workload`."""
     if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
         return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")], "first_fit"
+    if (workload.state_layout == "megatron" and model is not None and plans and workload.selective_ac == "attention"
+            and not {"selective_ac", "recompute_modules"} & stated and any(p.ac == "selective" for p in plans)):
+        return [workload, *(dataclasses.replace(workload, selective_ac="modules", recompute_modules=m)
+                            for m in recompute_module_ladder(model))], "fastest"
     if workload.state_layout != "fsdp2" or not plans:
         return [workload], "first_fit"
     choices = []
@@ -200,7 +222,9 @@ _CHOSEN_KEYS = (("tp_activations", "tp-activations",
                 ("pp_grad_sync", "pp-grad-sync",
                  "each micro-batch's gradients are reduce-scattered into the shard, none accumulated unsharded"),
                 ("selective_ac", "selective-ac",
-                 "TorchTitan's per-op policy: ac selective recomputes every other matmul of a block too"))
+                 "TorchTitan's per-op policy: ac selective recomputes every other matmul of a block too"),
+                ("recompute_modules", "recompute-modules",
+                 "Megatron-core's selective recompute of these modules, not the attention core alone"))
 
 
 def _changed(base, w) -> int:
@@ -212,7 +236,8 @@ def _variant_label(w, keys: list[str]) -> str:
     """`w`'s values of `keys` (those the variants differ in), ``auto`` shown as what it runs."""
     shown = {"tp_activations": lambda v: "gathered" if v == "auto" else v,
              "pp_grad_sync": lambda v: "last_microbatch" if v == "auto" else v,
-             "selective_ac": lambda v: "matmul" if v == "auto" else v}
+             "selective_ac": lambda v: "matmul" if v == "auto" else v,
+             "recompute_modules": lambda v: "+".join(v)}
     return ", ".join(shown[k](getattr(w, k)) for k in keys)
 
 
@@ -251,13 +276,13 @@ def runnable_under(workload, plans: list[Plan]) -> list[Plan]:
     return [p for p in plans if not grad_sync_unrunnable(p, workload.pp_grad_sync)]
 
 
-def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
+def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs, stated: frozenset = frozenset()):
     """:func:`estimate_choosing_ac` for each of :func:`workload_variants` (on the plans it runs) and the one the
     variants' rule keeps (:func:`pick_variant`): ``first_fit``, the first whose pick fits; ``fastest``, the fastest
     pick that fits (the first on a tie); when none fits, the first (the default).  Returns (workload, plan, estimates,
     row, ac note, knob notes): the knob notes say what an unstated workload key was taken as and why, when it
     is not the first variant."""
-    variants, rule = workload_variants(workload, plans)
+    variants, rule = workload_variants(workload, plans, model, stated)
     # the question's own workload on every plan (a what-if may be another framework's); an added variant on
     # the plans titan-run runs it on.  A sync per micro-batch only on the plans that do not fit with the question's
     # sync (and the same TP regime): it is taken for the memory it saves, as the search takes it
@@ -282,6 +307,7 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
     k = pick_variant(rule, fits, step)
     plan, est, row, ac_note, notes = runs[k]
     keys = [key for key, _, _ in _CHOSEN_KEYS if len({getattr(w, key) for w in variants}) > 1]
+    keys = [key for key in keys if not (key == "selective_ac" and "recompute_modules" in keys)]   # modules say it
     if not any(fits) and keys:  # the defaults' figures, but say how close titan-run's own settings come
         flags = ", ".join(flag for key, flag, _ in _CHOSEN_KEYS if key in keys)
         each = "; ".join(f"{_variant_label(w, keys)}: {r[0].knobs_str()}, step {st:.4g} s, peak {pk / GIB:.1f} GiB"
@@ -302,8 +328,8 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs):
                              f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, "
                              f"peak {pk / GIB:.1f} GiB"
                              for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
-            chosen = "; ".join(f"{flag} not given: '{getattr(variants[k], key)}' ({what})"
-                               for key, flag, what in _CHOSEN_KEYS
+            chosen = "; ".join(f"{flag} not given: '{_variant_label(variants[k], [key])}' ({what})"
+                               for key, flag, what in _CHOSEN_KEYS if key in keys
                                if getattr(variants[k], key) != getattr(workload, key))
             notes = [f"{chosen}, {why} ({each})", *notes]
     # the first variant is the question's own (grad_dtype auto is held as fp32): its keys stay as asked
@@ -383,7 +409,9 @@ def cmd_estimate(args) -> int:
         workload, fold_note = workload.for_expert_layout(plan.ep, plan.fsdp_size, plan.tp)
     except SpecError as e:
         raise PlanError(str(e)) from None
-    workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs)
+    stated = frozenset(k for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None) | set(d.get("workload") or {})
+    workload, plan, est, row, ac_note, knob_notes = estimate_choosing_workload(plans, model, hw, workload, q.coeffs,
+                                                                               stated)
     lacks = [ac for ac in AC_ORDER if ac not in (FRAMEWORKS[q.framework].ac_choices or AC_ORDER)]
     if ac_note and lacks:
         ac_note += f"; {q.framework} has no {' or '.join(lacks)} recompute"

@@ -197,3 +197,36 @@ def test_norm_impl_fused_keeps_the_input_only():
     e = _estimate([plan], m, Workload(norm_impl="eager", **kw))
     f = _estimate([plan], m, Workload(norm_impl="fused", **kw))
     assert f.memory["activations"][0] < e.memory["activations"][0]
+
+
+LADDER_Q = ["estimate", "--model", "deepseek-v3-671b", "--gpus", "1024", "--hardware", "h100-sxm", "--seq-len", "4096",
+            "--global-batch", "8192", "--tp", "2", "--pp", "8", "--ep", "64", "--schedule", "Interleaved1F1B",
+            "--stages-per-rank", "4", "--framework", "megatron-bridge", "--json"]
+
+
+def test_unstated_recompute_climbs_megatron_modules_where_the_attention_core_alone_does_not_fit():
+    """A megatron question that states no recompute, whose attention-core recompute does not fit (DeepSeek-V3 on
+    1,024 H100, Megatron-Bridge's layout): the estimate also tries Megatron-core's module sets (norms, MoE
+    activation, MLA up projections; then dense FFNs and shared experts; then whole MoE layers) and keeps the
+    fastest that fits, saying so -- the same figures as stating that set; stated modules, or recompute stated as
+    the attention core, are kept as asked."""
+    from planner.whatif import recompute_module_ladder
+    from cost_models.specs import load_model
+    ladder = recompute_module_ladder(load_model("deepseek-v3-671b"))
+    assert ladder[0] == ("core_attn", "layernorm", "moe_act", "mla_up_proj") and ladder[-1][-1] == "moe"
+    assert all(set(a) < set(b) for a, b in zip(ladder, ladder[1:]))
+    assert recompute_module_ladder(load_model("llama3-8b")) == [("core_attn", "layernorm"),
+                                                                ("core_attn", "layernorm", "mlp")]
+    r = planner_cli(*LADDER_Q)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    chosen = doc["workload"]["recompute_modules"]
+    assert doc["plan"]["ac"] == "selective" and doc["workload"]["selective_ac"] == "modules" and chosen != ["core_attn"]
+    note = next(n for n in doc["knob_notes"] if n.startswith("recompute-modules not given"))
+    assert f"'{'+'.join(chosen)}'" in note and "core_attn: " in note and "the fastest setting that fits" in note
+    stated = json.loads(planner_cli(*LADDER_Q, "--ac", "selective", "--selective-ac", "modules",
+                                    "--recompute-modules", ",".join(chosen)).stdout)
+    assert stated["predicted"] == doc["predicted"]
+    assert not [n for n in stated["knob_notes"] if n.startswith("recompute-modules")]
+    core = json.loads(planner_cli(*LADDER_Q, "--selective-ac", "attention").stdout)
+    assert core["workload"]["recompute_modules"] == ["core_attn"] and core["plan"]["ac"] == "full"
