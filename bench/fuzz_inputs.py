@@ -270,7 +270,7 @@ PLAN_FLAG_BADS = {
 ESTIMATE_FLAG_BADS = {
     "--tp": ["0", "3", "-2", str(HUGE)], "--pp": ["0", "64", str(2 ** 63)], "--cp": ["0", "3"],
     "--ep": ["0", "2"], "--dp-shard": ["0", "3", str(HUGE)], "--dp-replicate": ["0", "5"],
-    "--microbatch": ["0", "3", str(HUGE)], "--stages-per-rank": ["0", "9"], "--schedule": ["1f1b", ""],
+    "--microbatch": ["0", "3", str(HUGE)], "--stages-per-rank": ["0", "9"], "--schedule": ["1f2b", ""],
     "--ac": ["some", ""], "--plan": ["/nonexistent.yaml", "/"],
 }
 

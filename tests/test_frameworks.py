@@ -176,8 +176,13 @@ def test_deepseeks_regime_recomputes_the_reports_modules():
     doc = json.loads(planner_cli(*q, "--framework", "deepseek-hai-llm").stdout)
     assert doc["plan"]["ac"] == "selective" and doc["predicted"]["peak_memory_gib"] < 78.6
     assert doc["workload"]["recompute_modules"] == ["layernorm", "mla_up_proj", "moe_act"]
+    # core attention alone leaves the layout over the device: Megatron-LM's question climbs its module sets
+    # (planner.whatif.recompute_module_ladder), and stated as the attention core it takes full recompute
     lm = json.loads(planner_cli(*q, "--framework", "megatron-lm", "--state-layout", "megatron").stdout)
-    assert lm["plan"]["ac"] == "full"          # core attention alone leaves the layout over the device
+    assert lm["plan"]["ac"] == "selective" and lm["workload"]["recompute_modules"] != ["core_attn"]
+    assert any(n.startswith("recompute-modules not given") for n in lm["knob_notes"])
+    core = json.loads(planner_cli(*q, "--framework", "megatron-lm", "--selective-ac", "attention").stdout)
+    assert core["plan"]["ac"] == "full"
 
 
 def test_plan_defaults_fill_only_what_is_left_out():
