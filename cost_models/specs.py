@@ -384,18 +384,28 @@ def preset_for_gpu_name(name: str, memory_gib: float | None = None) -> str | Non
     between presets that match equally well the one whose ``memory_gib`` is closest to
     `memory_gib` (the device's total memory, when given), then the first by preset name.
     """
-    key = _name_key(name)
     best: tuple | None = None
-    for preset in preset_names("hardware"):
+    for preset, hit in gpu_name_hits(name).items():
         hw = load_hardware(preset)
-        hits = [len(k) for k in map(_name_key, hw.gpu_names) if k in key]
-        if not hits:
-            continue
         gap = abs(hw.memory_gib - memory_gib) if memory_gib is not None else 0.0
-        rank = (-max(hits), gap, preset)
+        rank = (-hit, gap, preset)
         if best is None or rank < best:
             best = rank
     return None if best is None else best[2]
+
+
+def gpu_name_hits(name: str) -> dict[str, int]:
+    """{hardware preset: the length of its longest ``gpu_names`` entry found in `name`}, for the presets one is
+    found in: an entry's words in a row, ignoring case, spaces and dashes ('H100' in 'NVIDIA H100 80GB HBM3' and
+    'A100 SXM4 40GB' in 'NVIDIA A100-SXM4-40GB', not 'H100' in 'h1000' nor 'H200' in 'GH200')."""
+    words = _words(name)
+    hits = {}
+    for preset in preset_names("hardware"):
+        found = [len("".join(w)) for w in map(_words, load_hardware(preset).gpu_names)
+                 if any(words[i:i + len(w)] == w for i in range(len(words)))]
+        if found:
+            hits[preset] = max(found)
+    return hits
 
 
 def _name_key(name: str) -> str:
@@ -488,17 +498,9 @@ def _preset_spelled(kind: str, name: str) -> str:
     begun = [k for k in known if _name_key(k).startswith(_name_key(name))]
     if len(begun) == 1 and len(_name_key(name)) >= 4:
         return begun[0]
-    words = _words(name)
-    hits = {}
-    for preset in known:    # a device name's words in a row ('H100' in 'NVIDIA H100 80GB HBM3', not in 'h1000')
-        lengths = [len(w) for w in map(_words, load_hardware(preset).gpu_names)
-                   if any(words[i:i + len(w)] == w for i in range(len(words)))]
-        if lengths:
-            hits[preset] = max(lengths)
+    hits = gpu_name_hits(name)                  # a GPU device name: the one preset it matches best
     best = [p for p, n in hits.items() if n == max(hits.values(), default=0)]
-    if len(best) == 1:
-        return best[0]
-    return name
+    return best[0] if len(best) == 1 else name
 
 
 def _words(name: str) -> list[str]:

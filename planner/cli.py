@@ -142,18 +142,22 @@ def _add_trial_flags(pp) -> None:
     t.add_argument("--run-root", default="runs/trials", help="where trial run folders go (default runs/trials)")
 
 
-# schedule names as papers and other frameworks write them (letters and digits only, lower case)
-SCHEDULE_ALIASES = {"interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "interleaved1f1b": "Interleaved1F1B",
-                    "zbv": "ZBVZeroBubble", "zerobubble": "ZBVZeroBubble", "zbvzerobubble": "ZBVZeroBubble",
-                    "dualpipe": "DualPipeV", "dualpipev": "DualPipeV", "gpipe": "GPipe", "1f1b": "1F1B", "pipedreamflush": "1F1B"}
+def _schedule_key(text: str) -> str:
+    """A schedule name reduced for matching: letters and digits, lower case."""
+    return "".join(ch for ch in str(text).lower() if ch.isalnum())
+
+
+# the schedules in any case, and the names papers and other frameworks give them
+SCHEDULE_ALIASES = {**{_schedule_key(s): s for s in SCHEDULES}, "interleaved": "Interleaved1F1B",
+                    "vpp": "Interleaved1F1B", "zbv": "ZBVZeroBubble", "zerobubble": "ZBVZeroBubble",
+                    "dualpipe": "DualPipeV", "pipedreamflush": "1F1B"}
 
 
 def schedule_name(text: str) -> str:
     """--schedule's value: a schedule of SCHEDULES in any case, or the name a paper gives it (DualPipe runs as
     DualPipeV, the zero-bubble V schedule as ZBVZeroBubble); anything else refused with the allowed names."""
-    key = "".join(ch for ch in str(text).lower() if ch.isalnum())
-    if key in SCHEDULE_ALIASES:
-        return SCHEDULE_ALIASES[key]
+    if _schedule_key(text) in SCHEDULE_ALIASES:
+        return SCHEDULE_ALIASES[_schedule_key(text)]
     raise argparse.ArgumentTypeError(f"unknown schedule {text!r} (allowed: {', '.join(SCHEDULES)}; "
                                      f"also interleaved, zero-bubble, dualpipe)")
 
@@ -176,7 +180,7 @@ class _ScheduleAction(argparse.Action):
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentError(self, str(e)) from None
         setattr(namespace, self.dest, name)
-        namespace.schedule_dualpipe = name == "DualPipeV" and not str(values).lower().replace(" ", "").endswith("v")
+        namespace.schedule_dualpipe = _schedule_key(values) == "dualpipe"
 
 
 def _add_estimate_parser(sub) -> None:

@@ -213,7 +213,8 @@ def add_input_flags(p: argparse.ArgumentParser) -> None:
                         "runs set that the question leaves out, with a note: the Megatron stacks' fused kernels "
                         "(as --compile), llama3-meta's interleaved schedule and no reshard")
     w = p.add_argument_group("workload (each also a key of a plan file's 'workload:')")
-    w.add_argument("--seq-len", "--seq-length", type=int, help="sequence length (default: 8192, or 256 for debug models)")
+    w.add_argument("--seq-len", "--seq-length", type=int,
+                   help="sequence length (default: 8192, or 256 for debug models)")
     g = w.add_mutually_exclusive_group()
     g.add_argument("--global-batch-tokens", help="tokens per optimizer step; K/M/G suffixes are binary "
                                                  "(4M = 4*2^20) (default: about 1M tokens)")
@@ -325,9 +326,9 @@ def resolve_inputs(args, defaults: Mapping[str, Any] | None = None, *, where: st
     workload = resolve_workload(args, d.get("workload") or {}, model=model, hw=hw, gpus=gpus,
                                 where=f"{where}: workload", base=base)
     if partial_zero and workload.state_layout == "fsdp2":
-        raise SpecError(f"--zero {zero} (workload key 'zero') is a megatron state layout's ZeRO stage; the fsdp2 layout "
-                        f"of framework {fw.name} shards parameters, gradients and optimizer states (ZeRO-3): add "
-                        f"--state-layout megatron, or drop --zero")
+        raise SpecError(f"--zero {zero} (workload key 'zero') is a megatron state layout's ZeRO stage; the fsdp2 "
+                        f"layout of framework {fw.name} shards parameters, gradients and optimizer states (ZeRO-3): "
+                        f"add --state-layout megatron, or drop --zero")
     coeffs = Coefficients.load(args.calibration) if args.calibration else None
     return PlanInputs(model=model, hardware=hw, workload=workload, gpus=gpus, gpus_per_node=gpn, coeffs=coeffs,
                       local=local, model_ref=str(model_ref), hardware_ref=str(args.hardware or hw.name),

@@ -422,7 +422,8 @@ def test_estimate_published_table_spellings(capsys):
     assert (hsdp["plan"]["dp_replicate"], hsdp["plan"]["dp_shard"]) == (2, 4)
     assert main(["estimate", *base, "--dp", "8", "--dp-shard", "4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("--dp 8 is not --dp-replicate 1 x --dp-shard 4; give one of them") and len(err.splitlines()) == 1
+    assert len(err.splitlines()) == 1
+    assert err.endswith("--dp 8 is not --dp-replicate 1 x --dp-shard 4; give one of them")
 
 
 def test_estimate_schedule_names_as_papers_write_them(capsys):
