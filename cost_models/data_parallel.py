@@ -264,9 +264,14 @@ def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple
     hp_all_reduce = workload.zero >= 1 and workload.grad_accum_mode == "hp_copy"
     if hp_all_reduce:
         g = 4.0
+    # DeepSpeed's ZeRO-1 (16-bit gradients accumulated by autograd in .grad: grad_accum autograd) all-reduces the
+    # whole gradients too: stage 1 turns contiguous_gradients off, so reduce_ipg_grads takes
+    # buffered_reduce_fallback, whose allreduce_bucket sets ``rank = None`` and calls dist.all_reduce (DeepSpeed
+    # stage2.py at 2151c787a, BLOOM's; the same in stage_1_and_2.py since), then all-gathers the updated partitions
+    ds_all_reduce = workload.zero == 1 and workload.grad_accum_mode == "autograd"
 
     def reduce(n):
-        if workload.zero >= 1 and not hp_all_reduce:
+        if workload.zero >= 1 and not (hp_all_reduce or ds_all_reduce):
             return ring_gather_time(dpn, g * n, link.bw, link.alpha)
         return all_reduce_time(dpn, g * n, link.bw, link.alpha, link.tree_latency)
 

@@ -126,13 +126,16 @@ def test_deepspeed_bf16_optimizer_all_reduces_fp32_gradients():
     all-reduces the whole fp32 gradients (pipe/engine.py ``_bf16_reduce_grads``, ``buffered_allreduce_fallback``)
     and then all-gathers the bf16 partitions; nothing hides either (ReduceGrads is its own instruction).  Megatron's
     distributed optimizer reduce-scatters instead.  Same layout, overlap off: the difference is one more pass of the
-    4-byte gradients (an all-reduce is two ring passes)."""
+    4-byte gradients (an all-reduce is two ring passes).  DeepSpeed's ZeRO-1 without the BF16 optimizer
+    (gradients accumulated by autograd in ``.grad``) all-reduces as well: stage 1 takes buffered_reduce_fallback,
+    whose allreduce_bucket forces ``rank = None`` (stage2.py at 2151c787a, BLOOM's)."""
     model, hw = load_model("llama3-8b"), load_hardware("a100-80g")
     t = CandidateTable.from_plans([Plan(dp_shard=8, tp=4, pp=4, microbatch=1, n_microbatches=8)])
     coeffs = Coefficients(dp_overlap=0.0)
     out = {}
-    for accum in ("hp_copy", "autograd"):
-        wl = Workload(seq_len=2048, global_batch=64, state_layout="megatron", zero=1, grad_accum=accum)
+    for accum in ("hp_copy", "autograd", "fused"):
+        wl = Workload(seq_len=2048, global_batch=64, state_layout="megatron", zero=1, grad_accum=accum,
+                      grad_dtype="fp32")
         r, links = Rates(hw, wl, coeffs), axis_links(t, hw, coeffs)
         st = S.stage_times(t, model, hw, wl, coeffs, links, r)
         out[accum] = float(S.data_parallel(t, model, hw, wl, coeffs, links, r, st)[0][0])
@@ -141,5 +144,6 @@ def test_deepspeed_bf16_optimizer_all_reduces_fp32_gradients():
     bw, alpha, tree = float(link.bw[0]), float(link.alpha[0]), float(link.tree_latency[0])
     rs = 7 * alpha + 7 / 8 * 4.0 * local / bw                       # Megatron: reduce-scatter of fp32 gradients
     ar = 2 * rs - 14 * alpha + min(14 * alpha, tree)                  # DeepSpeed: all-reduce (NCCL's ring or tree latency)
-    assert out["hp_copy"] - out["autograd"] == pytest.approx(ar - rs, rel=1e-9)
+    assert out["hp_copy"] - out["fused"] == pytest.approx(ar - rs, rel=1e-9)
+    assert out["autograd"] == pytest.approx(out["hp_copy"], rel=1e-12)
     assert ar - rs > 0.9 * rs
