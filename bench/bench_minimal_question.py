@@ -47,7 +47,8 @@ def stated(row: dict) -> dict[str, bool]:
     text = " ".join(str(par.get(k, "")) for k in ("recompute", "techniques", "precision")).lower()
     return {"microbatch": bool(par.get("microbatch") or par.get("local_batch")),
             "ac": rec.startswith(("full", "selective", "none")),
-            "schedule": bool(vpp and vp_int(vpp) > 1) or sched.startswith(("dualpipe", "interleaved", "zb")),
+            "schedule": bool(vpp and vp_int(vpp) > 1) or sched.startswith(("dualpipe", "interleaved", "zb", "1f1b",
+                                                                           "gpipe")),
             "compile": (bool(str(par.get("compile", "")).strip()) or "compile" in text
                         or "asynctp" in row["id"].lower()),
             "reshard": bool(par.get("sharding_strategy"))}

@@ -35,6 +35,8 @@ class Framework:
     reshard: tuple[bool, bool] | None = None         # FSDP's reshard_after_forward without / with a pipeline
     one_unit_chunks: bool = False                    # its interleaved schedule's chunks are one unit each:
     #   V = (layers + 2) / PP under the weighted split (`plan_defaults`)
+    schedule_free: bool = False                      # its runs take the pipeline schedule titan-plan picks
+    #   (`titan-plan estimate` without --schedule estimates each; other stacks run their default, 1F1B)
 
     def plan_defaults(self, layout: Mapping[str, Any], n_layers: int) -> dict[str, Any]:
         """The plan keys this regime's runs set that `layout` (a question's partial plan) leaves out: compile for
@@ -71,7 +73,7 @@ class Framework:
 _MEGATRON = {"state_layout": "megatron", "zero": 1, "selective_ac": "attention", "grad_dtype": "fp32"}
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
-    Framework("titan-run", "this executor (the defaults)"),
+    Framework("titan-run", "this executor (the defaults)", schedule_free=True),
     Framework("torchtitan", "TorchTitan (FSDP2, DTensor TP, torch.distributed.pipelining)",
               {"selective_ac": "op", "norm_impl": "composite", "gqa_kv": "expanded",
                "pp_recv_buffers": "persistent", "loss_impl": "compiled", "swiglu_impl": "eager",

@@ -201,8 +201,9 @@ def _add_estimate_parser(sub) -> None:
                     help="data-parallel degree, replicas x shards (a published table's DP): --dp-shard is N / "
                          "--dp-replicate")
     pe.add_argument("--schedule", action=_ScheduleAction, metavar="{" + ",".join(SCHEDULES) + "}",
-                    help="pipeline schedule (default 1F1B; any case, and as papers name them: interleaved, "
-                         "zero-bubble / zbv, dualpipe)")
+                    help="pipeline schedule (default: the fastest that fits of those titan-run runs, printed; "
+                         "1F1B under --framework or a megatron state; any case, and as papers name them: "
+                         "interleaved, zero-bubble / zbv, dualpipe)")
     pe.add_argument("--ac", "--recompute-granularity", choices=AC_MODES,
                     help="activation checkpointing (default: the fastest of none, selective, full that fits; the "
                          "choice is printed; --recompute-granularity is Megatron-LM's name)")

@@ -90,25 +90,33 @@ def choose_ac(plans: list[Plan], est: Estimates) -> int:
 
 
 def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan",
-                workload=None, model=None, ac_choices: tuple[str, ...] | None = None) -> list[Plan]:
+                workload=None, model=None, ac_choices: tuple[str, ...] | None = None,
+                schedules: tuple[str, ...] = ()) -> list[Plan]:
     """`layout` completed (a what-if: ``runnable=False``); one plan per setting of :data:`AC_ORDER`
     (those of `ac_choices` only: a framework regime whose code lacks one, ``Framework.ac_choices``)
     when it gives no ``ac``, else just the one; each of them with reshard-after-forward on and off when the
     layout gives no ``reshard_after_forward`` and it matters (FSDP shards, ``dp_shard`` > 1, under the
     fsdp2 state layout of `workload`), and, for Interleaved1F1B without ``stages_per_rank``, with each
     stages-per-rank value of the search space `titan-plan` would take (`plan_command.default_space`) that
-    leaves every stage a layer of `model`."""
+    leaves every stage a layer of `model`.  With a pipeline and no schedule in `layout`, each of `schedules` too
+    (the default, 1F1B, first; Interleaved1F1B with each of those stages-per-rank values)."""
     settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER if ac in (ac_choices or AC_ORDER)]
     first = Plan.complete(dict(layout), world_size=world_size, global_batch=global_batch, runnable=False,
                           where=where)
     fsdp2 = workload is None or workload.state_layout == "fsdp2"
     if "reshard_after_forward" not in layout and fsdp2 and first.dp_shard > 1:
         settings = [{**s, "reshard_after_forward": r} for s in settings for r in (True, False)]
-    if (first.schedule == "Interleaved1F1B" and "stages_per_rank" not in layout and model is not None
-            and workload is not None):
+    vs = []             # the space's stages-per-rank values that leave every stage a layer
+    if "stages_per_rank" not in layout and model is not None and workload is not None:
         space = load_space(default_space(model, workload))
-        vs = [v for v in space.knobs["stages_per_rank"] if first.pp * v <= model.n_layers] or [first.stages_per_rank]
-        settings = [{**s, "stages_per_rank": v} for s in settings for v in vs]
+        vs = [v for v in space.knobs["stages_per_rank"] if first.pp * v <= model.n_layers]
+    scheds = [{}]
+    if first.pp > 1 and "schedule" not in layout and "stages_per_rank" not in layout:
+        scheds += [{"schedule": k, **({"stages_per_rank": v} if k == "Interleaved1F1B" else {})}
+                   for k in schedules if k != first.schedule for v in (vs if k == "Interleaved1F1B" else [0])]
+    elif first.schedule == "Interleaved1F1B" and len(vs) > 1:
+        scheds = [{"stages_per_rank": v} for v in vs]
+    settings = [{**s, **k} for k in scheds for s in settings]
     return [Plan.complete({**layout, **s}, world_size=world_size, global_batch=global_batch, runnable=False,
                           where=where) for s in settings]
 
@@ -121,8 +129,11 @@ def _pick(rows: list[int], est: Estimates) -> int:
     return min(rows, key=lambda j: est.peak_memory_bytes[j])
 
 
-_FREE = (("reshard_after_forward", "reshard", lambda v: "yes" if v else "no"),
-         ("stages_per_rank", "stages-per-rank", str))     # the knobs besides ac that an estimate may choose
+# the knobs besides ac that an estimate may choose: (name, flag, the plan's setting of it, shown)
+_FREE = (("reshard_after_forward", "reshard", lambda p: p.reshard_after_forward, lambda v: "yes" if v else "no"),
+         ("schedule", "schedule", lambda p: (p.schedule, p.stages_per_rank),
+          lambda v: f"{v[0]} V {v[1]}" if v[0] == "Interleaved1F1B" else v[0]),
+         ("stages_per_rank", "stages-per-rank", lambda p: p.stages_per_rank, str))
 
 
 def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
@@ -144,15 +155,19 @@ def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
         ac_note = f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
     notes = []
     chosen = plans[i]
-    for key, name, show_value in _FREE:
-        others = [k for k, _, _ in _FREE if k != key]
-        rows = [j for j in groups[chosen.ac] if all(getattr(plans[j], k) == getattr(chosen, k) for k in others)]
+    free_schedule = len({p.schedule for p in plans}) > 1      # then the schedule's note gives the stages per rank
+    for key, name, get, show_value in _FREE:
+        if (key == "stages_per_rank") == free_schedule and key in ("schedule", "stages_per_rank"):
+            continue
+        pair = ("schedule", "stages_per_rank")                 # one knob as far as the other's rows go
+        others = [g for k, _, g, _ in _FREE if k != key and not (key in pair and k in pair)]
+        rows = [j for j in groups[chosen.ac] if all(g(plans[j]) == g(chosen) for g in others)]
         if len(rows) < 2:
             continue
         why = "the fastest setting that fits" if est.fits[i] else "no setting fits; the smallest peak"
-        each = "; ".join(f"{show_value(getattr(plans[j], key))}: step {est.step_time_s[j]:.4g} s, peak "
+        each = "; ".join(f"{show_value(get(plans[j]))}: step {est.step_time_s[j]:.4g} s, peak "
                          f"{est.peak_memory_bytes[j] / GIB:.1f} GiB" for j in rows)
-        notes.append(f"{name} not given: '{show_value(getattr(chosen, key))}', {why} ({each})")
+        notes.append(f"{name} not given: '{show_value(get(chosen))}', {why} ({each})")
     return chosen, est, i, ac_note, notes
 
 
@@ -392,13 +407,17 @@ def cmd_estimate(args) -> int:
     regime_notes = [_regime_plan_note(fw.name, k, v) for k, v in regime_plan.items()]
     schedule_note = implied_schedule(layout) or (DUALPIPE_NOTE if getattr(args, "schedule_dualpipe", False) else None)
     regime_notes = [schedule_note, *regime_notes] if schedule_note else regime_notes
+    # titan-run's own runs take the schedule titan-plan would: with a pipeline and none asked, each one of the
+    # search space that titan-run runs on this layout is estimated too (other stacks: their regime's default)
+    schedules = tuple(load_space(default_space(model, workload)).knobs["schedule"]) if fw.schedule_free else ()
     plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch,
-                        where=where, workload=workload, model=model, ac_choices=fw.ac_choices)
+                        where=where, workload=workload, model=model, ac_choices=fw.ac_choices, schedules=schedules)
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,
                          gpus_per_node=q.gpus_per_node, float8_supported=hw.supports_float8,
                          pp_weighted=workload.pp_weighted)
+    plans = [p for p in plans if p.schedule == plan.schedule or not C.check_plan(p, target, tp_within_node=False)]
     # titan-run's own limits (the pipeline runtime's micro-batch rules, tied embeddings under tp/pp, virtual
     # stages without a layer): other frameworks run such layouts, so they are predicted, with a note
     illegal = [m for _, m in C.check_plan(plan, target, tp_within_node=False, runnable=False)]

@@ -298,11 +298,12 @@ def test_rank_by_p90_ranks_and_judges_memory_by_the_conservative_bounds(capsys):
     assert r.returncode == 2 and "--rank-by" in r.stderr
 
 
-LLAMA3_405B_T4 = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
-                  "--global-batch", "2048", "--tp", "8", "--pp", "16"]     # Llama 3 paper, Table 4
+LLAMA3_405B_T4_LAYOUT = ["--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
+                         "--global-batch", "2048", "--tp", "8", "--pp", "16"]     # Llama 3 paper, Table 4
+LLAMA3_405B_T4 = [*LLAMA3_405B_T4_LAYOUT, "--schedule", "1F1B"]     # under 1F1B, asked
 # the same with the gradient sync stated (torch's pipelining: after the last micro-batch), so that the knobs below
-# are the only ones the estimate chooses
-LLAMA3_405B_T4_LAST = [*LLAMA3_405B_T4, "--pp-grad-sync", "last_microbatch"]
+# are the only ones the estimate chooses (the schedule as each test asks)
+LLAMA3_405B_T4_LAST = [*LLAMA3_405B_T4_LAYOUT, "--pp-grad-sync", "last_microbatch"]
 # the 8,192-GPU row of the same table (FSDP 64, 32 micro-batches) under Interleaved1F1B, 4 stages per rank
 LLAMA3_405B_T4_8K_IL = ["--model", "llama3-405b", "--gpus", "8192", "--hardware", "h100-sxm", "--seq-len", "8192",
                         "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B",
@@ -340,7 +341,7 @@ def test_estimate_without_ac_takes_the_fastest_setting_that_fits(capsys):
     """A layout that trained (405B, TP 8 x PP 16 on 16,384 GPUs) is not judged by its no-recompute peak:
     without --ac the estimate takes the setting the search would, and says so with every peak (the TP
     activations stated gathered: with the shards it fits without recompute, the test above)."""
-    fixed = [*LLAMA3_405B_T4_LAST, "--tp-activations", "gathered"]
+    fixed = [*LLAMA3_405B_T4_LAST, "--schedule", "1F1B", "--tp-activations", "gathered"]
     chosen = _estimate_json(capsys, *fixed)
     by_ac = {ac: _estimate_json(capsys, *fixed, "--ac", ac) for ac in ("none", "selective", "full")}
     fitting = {ac: d for ac, d in by_ac.items() if d["predicted"]["headroom_gib"] >= 0}
@@ -366,7 +367,7 @@ def test_estimate_without_reshard_takes_the_setting_the_search_would(capsys):
     """reshard_after_forward is a knob of the search space: without --reshard / --no-reshard the estimate takes
     the faster setting that fits (each ac's, then the ac as above) and says so; given, or meaningless (no FSDP
     shards, the megatron layout), there is no choice and no note."""
-    args = [*LLAMA3_405B_T4_LAST, "--ac", "full"]
+    args = [*LLAMA3_405B_T4_LAST, "--schedule", "1F1B", "--ac", "full"]
     chosen = _estimate_json(capsys, *args)
     both = {r: _estimate_json(capsys, *args, flag) for r, flag in ((True, "--reshard"), (False, "--no-reshard"))}
     fits = {r: d for r, d in both.items() if d["predicted"]["headroom_gib"] >= 0}
@@ -397,6 +398,29 @@ def test_estimate_stages_per_rank_without_a_schedule_is_interleaved(capsys):
     assert not [n for n in asked["knob_notes"] if n.startswith("schedule")]
     one = _estimate_json(capsys, *LLAMA3_405B_T4_LAST, "--ac", "full", "--no-reshard", "--stages-per-rank", "1")
     assert one["plan"]["schedule"] == "1F1B" and not [n for n in one["knob_notes"] if n.startswith("schedule")]
+
+
+def test_estimate_without_a_schedule_takes_the_fastest_titan_run_runs(capsys):
+    """A pipeline asked without --schedule under titan-run's regime (no --framework): each schedule of the search
+    space titan-plan would take is estimated (Interleaved1F1B at each stages-per-rank value) and the fastest that
+    fits is taken, as the search takes it, with a note naming each; the same prediction as asking for it.  Under
+    another stack's regime (Megatron-LM, TorchTitan) the schedule is that stack's default, 1F1B, and no note."""
+    chosen = _estimate_json(capsys, *LLAMA3_405B_T4_LAYOUT, "--ac", "none")
+    plan = chosen["plan"]
+    assert plan["schedule"] != "1F1B", "the test needs a layout where 1F1B is not the fastest"
+    v = ["--stages-per-rank", str(plan["stages_per_rank"])] if plan["schedule"] == "Interleaved1F1B" else []
+    asked = _estimate_json(capsys, *LLAMA3_405B_T4_LAYOUT, "--ac", "none", "--schedule", plan["schedule"], *v)
+    assert asked["predicted"] == chosen["predicted"] and asked["plan"] == plan
+    one = _estimate_json(capsys, *LLAMA3_405B_T4, "--ac", "none")
+    assert one["predicted"]["headroom_gib"] >= 0
+    assert chosen["predicted"]["step_time_s"] < one["predicted"]["step_time_s"]
+    note = [n for n in chosen["knob_notes"] if n.startswith("schedule not given")]
+    shown = plan["schedule"] + (f" V {plan['stages_per_rank']}" if v else "")
+    assert len(note) == 1 and note[0].startswith(f"schedule not given: '{shown}', the fastest setting that fits")
+    assert not [n for n in asked["knob_notes"] if n.startswith("schedule")]
+    for fw in ("megatron-lm", "torchtitan"):
+        other = _estimate_json(capsys, *LLAMA3_405B_T4_LAYOUT, "--ac", "none", "--framework", fw)
+        assert other["plan"]["schedule"] == "1F1B" and not [n for n in other["knob_notes"] if "schedule" in n]
 
 
 def test_estimate_published_table_spellings(capsys):
