@@ -47,8 +47,9 @@ WORKLOAD_HELP = {
                     "policy: every other one), both run by this executor; auto (default: matmul, or op where "
                     "only it lets the faster setting fit; titan-plan says which); attention (Megatron: recompute "
                     "the attention core only) or modules (Megatron's recompute_modules, see --recompute-modules)",
-    "recompute_modules": "with --selective-ac modules: comma-separated Megatron-core submodules to recompute, "
-                         "of core_attn (default), layernorm, mla_up_proj, mlp, moe_act, moe, shared_experts",
+    "recompute_modules": "comma-separated Megatron-core submodules to recompute under 'ac: selective' "
+                         "(implies --selective-ac modules), of core_attn (default), layernorm, mla_up_proj, mlp, "
+                         "moe_act, moe, shared_experts",
     "tp_activations": "what a TP block keeps of its gathered tensors: auto (default: gathered for fsdp2, sharded "
                       "for megatron), gathered (DTensor-style TP, titan-run's default) or sharded (Megatron SP: the "
                       "sequence shard, all-gathered again in backward; titan-run runs it on spmd_types, eager, "
@@ -358,7 +359,10 @@ def resolve_workload(args, given: Mapping[str, Any], *, model: ModelSpec, hw: Ha
         gb = 8 * gpus if small else max(1, 2 ** 20 // seq_len)
     kw: dict[str, Any] = dict(base or {})
     kw.update({k: given[k] for k in WORKLOAD_FLAGS if k in given})
+    asked = {k for k in WORKLOAD_FLAGS if k in given or getattr(args, k, None) is not None}
     kw.update({k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k, None) is not None})
+    if "recompute_modules" in asked and "selective_ac" not in asked:     # Megatron's --recompute-modules says it
+        kw["selective_ac"] = "modules"
     kw.setdefault("dtype", "fp32" if hw.device == "cpu" else "bf16")
     return Workload(seq_len=seq_len, global_batch=gb, **kw)
 

@@ -206,13 +206,20 @@ def workload_variants(workload, plans: list[Plan] | None = None, model=None,
       module set of :func:`recompute_module_ladder` for `model`, rule ``fastest`` (the ladder only where the
       main gradients' dtype is given: a bf16 run leaves it to the comparison above).
 
+    Both at once (a bf16 megatron run with neither stated): the ladder under each main-gradient dtype, rule
+    ``grad_dtype_first``: the fastest that fits under fp32, else under bf16.
+
     Otherwise just `workload`."""
-    if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
-        return [dataclasses.replace(workload, grad_dtype=g) for g in ("fp32", "bf16")], "first_fit"
+    ladder = [workload]
     if (workload.state_layout == "megatron" and model is not None and plans and workload.selective_ac == "attention"
             and not {"selective_ac", "recompute_modules"} & stated and any(p.ac == "selective" for p in plans)):
-        return [workload, *(dataclasses.replace(workload, selective_ac="modules", recompute_modules=m)
-                            for m in recompute_module_ladder(model))], "fastest"
+        ladder += [dataclasses.replace(workload, selective_ac="modules", recompute_modules=m)
+                   for m in recompute_module_ladder(model)]
+    if workload.state_layout == "megatron" and workload.grad_dtype == "auto" and workload.dtype == "bf16":
+        return ([dataclasses.replace(w, grad_dtype=g) for g in ("fp32", "bf16") for w in ladder],
+                "first_fit" if len(ladder) == 1 else "grad_dtype_first")
+    if len(ladder) > 1:
+        return ladder, "fastest"
     if workload.state_layout != "fsdp2" or not plans:
         return [workload], "first_fit"
     choices = []
@@ -256,13 +263,17 @@ def _variant_label(w, keys: list[str]) -> str:
     return ", ".join(shown[k](getattr(w, k)) for k in keys)
 
 
-def pick_variant(rule: str, fits: list[bool], step: list[float]) -> int:
+def pick_variant(rule: str, fits: list[bool], step: list[float], groups: list | None = None) -> int:
     """Index of the variant `rule` keeps (:func:`workload_variants`), given each variant's pick: whether it fits
-    and its step time.  When none fits, the first (the default): the remedies name the change."""
+    and its step time (and under ``grad_dtype_first`` its group, the main gradients' dtype: the fastest that fits
+    in the first group where any fits).  When none fits, the first (the default): the remedies name the change."""
     n = len(fits)
     if not any(fits):           # nothing fits: the default, whose remedies `titan-plan estimate` lists
         return 0
-    if rule == "fastest":
+    if rule == "grad_dtype_first" and groups is not None:
+        first = groups[next(k for k in range(n) if fits[k])]
+        return min((k for k in range(n) if fits[k] and groups[k] == first), key=lambda k: (step[k], k))
+    if rule in ("fastest", "grad_dtype_first"):
         return min((k for k in range(n) if fits[k]), key=lambda k: (step[k], k))
     return next(k for k in range(n) if fits[k])
 
@@ -319,7 +330,7 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs, s
     fits = [bool(r[1].fits[r[2]]) for r in runs]
     step = [float(r[1].step_time_s[r[2]]) for r in runs]
     peak = [float(r[1].peak_memory_bytes[r[2]]) for r in runs]
-    k = pick_variant(rule, fits, step)
+    k = pick_variant(rule, fits, step, [w.grad_dtype for w in variants])
     plan, est, row, ac_note, notes = runs[k]
     keys = [key for key, _, _ in _CHOSEN_KEYS if len({getattr(w, key) for w in variants}) > 1]
     keys = [key for key in keys if not (key == "selective_ac" and "recompute_modules" in keys)]   # modules say it
@@ -330,25 +341,29 @@ def estimate_choosing_workload(plans: list[Plan], model, hw, workload, coeffs, s
         best = min(range(len(variants)), key=lambda j: peak[j])
         notes = [f"{flags} not given: no setting fits, the figures are the defaults'; the smallest peak is "
                  f"{_variant_label(variants[best], keys)}'s ({each})", *notes]
+    held = workload.grad_dtype == "auto" and variants[k].grad_dtype == "fp32"     # auto is held as fp32
     if k > 0:                   # the default is kept: nothing to say
-        if variants[k].grad_dtype != workload.grad_dtype:
-            why = "fp32 main gradients do not fit, bf16 ones do"
-            each = "; ".join(f"{w.grad_dtype}: peak {pk / GIB:.1f} GiB, step {st:.4g} s"
-                             for w, pk, st in zip(variants, peak, step))
-            notes = [f"grad_dtype not given: '{variants[k].grad_dtype}', {why} ({each}; fp32 is Megatron-LM's, bf16 "
-                     "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
-        else:
+        changed = [key for key in keys if getattr(variants[k], key) != getattr(workload, key)]
+        if changed:
             why = "the fastest setting that fits"
             each = "; ".join(f"{_variant_label(w, keys)}: "
                              f"{'' if f else 'does not fit, '}{r[0].knobs_str()}, step {st:.4g} s, "
                              f"peak {pk / GIB:.1f} GiB"
-                             for w, r, f, st, pk in zip(variants, runs, fits, step, peak))
+                             for w, r, f, st, pk in zip(variants, runs, fits, step, peak)
+                             if w.grad_dtype == variants[k].grad_dtype)
             chosen = "; ".join(f"{flag} not given: '{_variant_label(variants[k], [key])}' ({what})"
-                               for key, flag, what in _CHOSEN_KEYS if key in keys
-                               if getattr(variants[k], key) != getattr(workload, key))
+                               for key, flag, what in _CHOSEN_KEYS if key in changed)
             notes = [f"{chosen}, {why} ({each})", *notes]
+        if not held and variants[k].grad_dtype != workload.grad_dtype:
+            why = "fp32 main gradients do not fit, bf16 ones do"
+            each = "; ".join(f"{w.grad_dtype}: peak {pk / GIB:.1f} GiB, step {st:.4g} s"
+                             for w, pk, st in zip(variants, peak, step)
+                             if all(getattr(w, key) == getattr(variants[k], key) for key in keys))
+            notes = [f"grad_dtype not given: '{variants[k].grad_dtype}', {why} ({each}; fp32 is Megatron-LM's, bf16 "
+                     "NeMo's and Megatron-Bridge's grad_reduce_in_fp32=False)", *notes]
     # the first variant is the question's own (grad_dtype auto is held as fp32): its keys stay as asked
-    return (variants[k] if k > 0 else workload), plan, est, row, ac_note, notes
+    chosen_w = workload if k == 0 else dataclasses.replace(variants[k], grad_dtype="auto") if held else variants[k]
+    return chosen_w, plan, est, row, ac_note, notes
 
 
 def _framework_workloads(args, d, q) -> dict[str, Any]:
@@ -423,7 +438,6 @@ def cmd_estimate(args) -> int:
     illegal = [m for _, m in C.check_plan(plan, target, tp_within_node=False, runnable=False)]
     if illegal:
         raise PlanError(f"layout is not legal: {illegal[0]}")
-    not_runnable = C.titan_run_limits(plan, target)
     try:                        # ep over the TP ranks too: Megatron-core's folded expert layout (whole experts)
         workload, fold_note = workload.for_expert_layout(plan.ep, plan.fsdp_size, plan.tp)
     except SpecError as e:
@@ -438,7 +452,7 @@ def cmd_estimate(args) -> int:
         knob_notes = [*knob_notes, f"{q.framework} has no {plan.ac} recompute; predicted as asked (--ac {plan.ac})"]
     knob_notes = [n for n in (implied_framework_note(q), *regime_notes) if n] + knob_notes
     knob_notes = [fold_note, *knob_notes] if fold_note else knob_notes
-    not_runnable += workload_limits(plan, workload)
+    not_runnable = C.titan_run_limits(plan, target) + workload_limits(plan, workload)   # of the plan chosen
     note = (f"titan-run cannot run this {not_runnable[0][0]} ({not_runnable[0][1]}); the figures are a what-if"
             if not_runnable else None)
     blocker = a2a_overlap_blocker(plan, workload)

@@ -214,7 +214,9 @@ def test_a_megatron_state_layout_without_a_framework_is_read_as_megatron_lm(tmp_
                                 implied["workload"]["grad_dtype"], "--json").stdout)
     assert implied["inputs"]["framework"] == "megatron-lm" and implied["predicted"] == lm["predicted"]
     assert implied["knob_notes"][0].startswith("framework not given: 'megatron-lm', the stack a megatron state")
-    assert implied["workload"]["zero"] == 1 and implied["workload"]["selective_ac"] == "attention"
+    assert implied["workload"]["zero"] == 1 and implied["workload"]["selective_ac"] in ("attention", "modules")
+    assert (implied["workload"]["selective_ac"], implied["workload"]["recompute_modules"]) == \
+        (lm["workload"]["selective_ac"], lm["workload"]["recompute_modules"])      # Megatron's, as asked of it
     assert implied["plan"]["compile"] is True
     assert not [n for n in lm["knob_notes"] if n.startswith("framework")]
     own = json.loads(planner_cli(*args, "--framework", "titan-run", "--json").stdout)

@@ -119,8 +119,20 @@ def test_flags_plan_file_and_json_echo(tmp_path):
     assert json.loads(r2.stdout)["predicted"] == doc["predicted"]
 
 
+def test_recompute_modules_alone_imply_the_modules_policy():
+    """--recompute-modules without --selective-ac is Megatron-LM's own spelling of a module list: it implies
+    --selective-ac modules (the same prediction as saying both); a stated other policy with a list is refused."""
+    docs = []
+    for extra in ([], ["--selective-ac", "modules"]):
+        r = planner_cli(*BASE, "--recompute-modules", "mlp", *extra, "--json")
+        assert r.returncode == 0, r.stderr
+        docs.append(json.loads(r.stdout))
+    assert docs[0]["workload"]["selective_ac"] == "modules" and docs[0]["workload"]["recompute_modules"] == ["mlp"]
+    assert docs[0]["predicted"] == docs[1]["predicted"]
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--recompute-modules", "mlp"], "the list is read only with selective_ac 'modules'"),
+    (["--selective-ac", "attention", "--recompute-modules", "mlp"], "the list is read only with selective_ac 'modules'"),
     (["--selective-ac", "modules", "--recompute-modules", "mlp,atn"], "got 'atn'"),
 ])
 def test_bad_values_are_one_line_exit_2(args, message):
@@ -230,3 +242,21 @@ def test_unstated_recompute_climbs_megatron_modules_where_the_attention_core_alo
     assert not [n for n in stated["knob_notes"] if n.startswith("recompute-modules")]
     core = json.loads(planner_cli(*LADDER_Q, "--selective-ac", "attention").stdout)
     assert core["workload"]["recompute_modules"] == ["core_attn"] and core["plan"]["ac"] == "full"
+
+
+def test_unstated_recompute_climbs_under_each_main_gradient_dtype_too():
+    """A bf16 megatron question with neither the main gradients' dtype nor the recompute stated (--zero 1 alone:
+    Megatron-LM implied, DeepSeek-V3's report layout on 2,048 H800 with DualPipe): the module ladder is tried under
+    fp32 main gradients, then bf16, and the fastest setting that fits under the first dtype where one fits is
+    kept -- the layout trained, so it must fit -- with the ladder's note; the dtype stays as asked (auto) when fp32
+    is kept, and a stated dtype gives the same figures."""
+    q = ["estimate", "--model", "deepseek-v3", "--gpus", "2048", "--hardware", "h800", "--pp", "16", "--ep", "64",
+         "--schedule", "DualPipe", "--fp8", "--seq-len", "4096", "--global-batch", "15360", "--zero", "1",
+         "--ac", "selective", "--json"]
+    doc = json.loads(planner_cli(*q).stdout)
+    assert doc["predicted"]["headroom_gib"] >= 0
+    assert doc["workload"]["selective_ac"] == "modules" and doc["workload"]["grad_dtype"] == "auto"
+    assert any(n.startswith("recompute-modules not given") for n in doc["knob_notes"])
+    stated = json.loads(planner_cli(*q, "--grad-dtype", "fp32").stdout)
+    assert stated["predicted"] == doc["predicted"] and stated["workload"]["recompute_modules"] == \
+        doc["workload"]["recompute_modules"]
