@@ -38,6 +38,7 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
     fit_full = fit_cut = trained = 0
     ref_full = ref_cut = oom = 0
     differ = collections.Counter()
+    unfit = []
     for c in cases:
         w = Workload(**{k: getattr(c.workload, k) for k in keys})
         for f in dataclasses.fields(Workload):
@@ -46,17 +47,20 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
         a = vr.predict(c)
         # what `titan-plan estimate` takes for the keys left unstated (`planner.whatif.workload_variants`, each
         # variant on the row's layout if titan-run runs it there, kept by the variants' rule)
-        variants, rule = workload_variants(w, [c.plan])
-        preds, fitted = [], {}
+        variants, rule = workload_variants(w, [c.plan], c.model, frozenset(keys))
+        preds, fitted, groups = [], {}, []
         for j, v in enumerate(variants):
             if j and not runnable_under(v, [c.plan]):
                 continue
             if v.pp_grad_sync != w.pp_grad_sync and fitted.get((v.tp_activations, v.selective_ac)):
                 continue            # a sync per micro-batch only where the default sync does not fit (as the estimate)
             preds.append(vr.predict(dataclasses.replace(c, workload=v)))
+            groups.append(v.grad_dtype)
             if v.pp_grad_sync == w.pp_grad_sync:
                 fitted[(v.tp_activations, v.selective_ac)] = preds[-1]["fits"]
-        b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds])]
+        b = preds[pick_variant(rule, [p["fits"] for p in preds], [-p["tokens_per_s_per_gpu"] for p in preds], groups)]
+        if c.trained and not b["fits"]:
+            unfit.append(f"{c.id} ({b['device_peak_gib']:.1f} GiB)")
         if c.trained:
             trained += 1
             fit_full += a["fits"]
@@ -73,7 +77,7 @@ def score(set_name: str, keys: tuple[str, ...]) -> dict:
             moved.append((eb - ea, c.id, ea, eb))
     return dict(n=len(full), full=(statistics.median(full), max(full)), cut=(statistics.median(cut), max(cut)),
                 fit=(fit_full, fit_cut, trained), refused=(ref_full, ref_cut, oom), moved=sorted(moved, reverse=True),
-                differ=differ)
+                differ=differ, unfit=unfit)
 
 
 def main(argv=None) -> int:
@@ -92,6 +96,8 @@ def main(argv=None) -> int:
               f"{100 * r['full'][1]:.1f}%; basic keys only median {100 * r['cut'][0]:.1f}% worst {100 * r['cut'][1]:.1f}%; "
               f"trained runs predicted to fit {r['fit'][0]} -> {r['fit'][1]} of {r['fit'][2]}; layouts that ran out "
               f"of memory refused {r['refused'][0]} -> {r['refused'][1]} of {r['refused'][2]}")
+        if r["unfit"]:
+            print("   trained, predicted not to fit with the basic keys:", ", ".join(r["unfit"]))
         for d, rid, ea, eb in r["moved"][:args.top]:
             print(f"   {100 * d:+6.1f} pts  {rid}: {100 * ea:.1f}% -> {100 * eb:.1f}%")
         print("   keys the rows set away from their defaults:", ", ".join(f"{k} {n}" for k, n in r["differ"].most_common()))
