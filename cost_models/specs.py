@@ -462,6 +462,12 @@ PUBLISHED_MODEL_NAMES = {
     "deepseek-v2-236b": ("deepseek-ai/DeepSeek-V2", "DeepSeek-V2 236B"),
     "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B"),
     "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B",),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B", "Qwen3 235B-A22B"),
+    "mixtral-8x22b": ("mistralai/Mixtral-8x22B-v0.1", "mistralai/Mixtral-8x22B-Instruct-v0.1", "Mixtral 8x22B"),
+    "llama2-70b": ("meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-70b-chat-hf", "Llama 2 70B"),
+    "bloom-176b": ("bigscience/bloom", "BLOOM 176B", "BLOOM"),
+    "gpt3-175b": ("GPT-3 175B", "GPT-3"),
+    "nemotron4-340b": ("nvidia/Nemotron-4-340B-Base", "nvidia/Nemotron-4-340B-Instruct", "Nemotron-4 340B"),
 }
 _RELEASE_SUFFIXES = ("instruct", "base", "chat", "hf")
 

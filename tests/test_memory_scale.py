@@ -69,6 +69,9 @@ def test_ambiguous_or_unknown_names_stay_refused():
     ("meta-llama/Meta-Llama-3-70B", "llama3-70b"), ("meta-llama/Llama-3.1-405B-Instruct", "llama3-405b"),
     ("deepseek-ai/DeepSeek-V3-Base", "deepseek-v3-671b"), ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),
     ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"), ("Llama 3.1 8B", "llama3-8b"),
+    ("bigscience/bloom", "bloom-176b"), ("GPT-3 175B", "gpt3-175b"), ("meta-llama/Llama-2-70b-hf", "llama2-70b"),
+    ("mistralai/Mixtral-8x22B-v0.1", "mixtral-8x22b"), ("Qwen/Qwen3-235B-A22B", "qwen3-235b-a22b"),
+    ("nvidia/Nemotron-4-340B-Base", "nemotron4-340b"),
 ])
 def test_model_presets_by_their_published_names(published, preset):
     """--model takes a preset by the name it is published under (a Hugging Face hub id, release suffixes aside);
