@@ -38,8 +38,8 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
-from search_spaces.constraints import (TIED, Target, check_plan, float8_tp_backend_error,
-                                       replicate_split_backward_error)
+from search_spaces.constraints import (TIED, Target, check_plan, float8_tp_backend_error, replicate_split_backward_error,
+                                       tied_tp_backend_error)
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show
@@ -409,9 +409,8 @@ def check_plan_runs(plan: Plan, spec, wl, world_size: int) -> None:
         raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
                           "expert parallelism needs a mixture-of-experts model (set ep: 1)")
     if not TIED.ok(plan, target):   # the rule's case, told with the key to change (executor/models/llama.py)
-        key = "pp" if plan.pp > 1 else "tp"
-        raise ConfigError(f"plan key '{key}' is {getattr(plan, key)} but model '{spec.name}' ties its embeddings "
-                          f"(tie_embeddings): titan-run keeps them tied only with pp 1 and tp 1 (set {key}: 1)")
+        raise ConfigError(f"plan key 'pp' is {plan.pp} but model '{spec.name}' ties its embeddings "
+                          f"(tie_embeddings): titan-run keeps them tied only with pp 1 (set pp: 1)")
     if spec.embed_norm:   # a cost-model fact of other frameworks' models (BLOOM's --embed-layernorm)
         raise ConfigError("model key 'embed_norm' is true, but titan-run's models have no embedding norm (set it false)")
     if spec.mtp_layers:   # a cost-model fact of other frameworks' runs (DeepSeek-V3's multi-token prediction)
@@ -425,7 +424,8 @@ def check_plan_runs(plan: Plan, spec, wl, world_size: int) -> None:
         raise ConfigError(f"workload key 'seq_len' ({wl.seq_len}) is more than model '{spec.name}' allows "
                           f"(max_seq_len {spec.max_seq_len})")
     _check_workload_runs(wl, plan)
-    for err in (replicate_split_backward_error(plan, plan.backend), float8_tp_backend_error(plan, plan.backend)):
+    for err in (replicate_split_backward_error(plan, plan.backend), float8_tp_backend_error(plan, plan.backend),
+                tied_tp_backend_error(plan, plan.backend, spec.tie_embeddings)):
         if err:
             raise ConfigError(err)
 

@@ -40,7 +40,7 @@ R_STAGES = "stages per rank do not suit the pipeline schedule"
 R_SPLIT_AC = "selective checkpointing under a split-backward schedule"
 R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
-R_TIED = "titan-run keeps tied embeddings tied only with tp 1 and pp 1"
+R_TIED = "titan-run keeps tied embeddings tied only with pp 1"
 R_MEMORY = "out of memory"
 R_GRAD_SYNC = "pp_grad_sync every_microbatch under a split-backward schedule"
 R_BACKEND = ("backend dtensor: float8 with tp > 1, or a split-backward pipeline with replicate-only data "
@@ -194,10 +194,10 @@ FLOAT8 = Rule(
     lambda p, t: "float8 requested on hardware without float8 GEMMs")
 # titan-run's limit, not a law of the layout (Megatron shares the tied weight across stages): a
 # what-if estimate (runnable=False) skips it, as it skips the pipeline runtime's micro-batch rules
-TIED = Rule(
-    R_TIED, lambda p, t: _not(t.tie_embeddings) | ((p.tp == 1) & (p.pp == 1)),
-    lambda p, t: (f"tp={p.tp}, pp={p.pp}: the model ties its embeddings (tie_embeddings), which titan-run "
-                  "keeps tied only with tp 1 and pp 1"))
+TIED = Rule(    # one stage holds both ends; under tp the embedding and the head shard the same vocabulary rows
+    R_TIED, lambda p, t: _not(t.tie_embeddings) | (p.pp == 1),
+    lambda p, t: (f"pp={p.pp}: the model ties its embeddings (tie_embeddings), which titan-run keeps tied only "
+                  "with pp 1 (the embedding and the head on one stage)"))
 
 PLAN_RULES = (EP_FOLD, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
 MICRO_RULES = (MICRO_COUNT, MICRO_ROUNDS)       # the runtime's micro-batch rules (ac is a later knob)
@@ -234,6 +234,16 @@ def float8_tp_backend_error(plan: Any, backend: str) -> str | None:
     if bool(plan.float8) and plan.tp > 1 and backend == "dtensor":
         return ("plan key 'float8' with tp > 1 runs on backend spmd_types only (torchao's float8 TP styles for "
                 "DTensor are not wired here): set backend: spmd_types, or tp: 1")
+    return None
+
+
+def tied_tp_backend_error(plan: Any, backend: str, tied: bool) -> str | None:
+    """Why titan-run refuses a model with tied embeddings (`tied`) under `plan` on `backend`, or None: the head is
+    vocab-sharded under tp, and the dtensor backend leaves the embedding replicated under compile."""
+    if tied and plan.tp > 1 and bool(plan.compile) and backend == "dtensor":
+        return ("plan key 'compile' with tp > 1 and tied embeddings runs on backend spmd_types only (the dtensor "
+                "backend keeps the embedding replicated under compile, the head vocab-sharded): set backend: "
+                "spmd_types, or compile: false")
     return None
 
 

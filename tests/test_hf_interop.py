@@ -167,14 +167,14 @@ def test_built_parameters_are_what_the_cost_model_counts(tied):
     assert sum(p.numel() for p in model.parameters()) == param_counts(spec)["total"]
 
 
-def test_tied_embeddings_refuse_pipeline_and_tensor_parallel(tmp_path):
+def test_tied_embeddings_refuse_pipeline_parallel(tmp_path):
+    """A tied checkpoint runs under tp (tests/distributed/test_spmd_tp.py), not split over pipeline stages."""
     hf_model(tmp_path / "hf", tied=True, scaling=None)
-    for key in ("pp", "tp"):
-        p = cli("--nproc-per-node", "2", "--steps", "1", "--run-dir", str(tmp_path / key),
-                "--set", f"model=hf:{tmp_path / 'hf'}", "--set", f"plan.{key}=2", "--set", "plan.dp_shard=1")
-        lines = [line for line in p.stderr.splitlines() if line.strip()]
-        assert p.returncode == 2 and len(lines) == 1, p.stderr
-        assert f"plan key '{key}' is 2" in lines[0] and "ties its embeddings" in lines[0]
+    p = cli("--nproc-per-node", "2", "--steps", "1", "--run-dir", str(tmp_path / "pp"),
+            "--set", f"model=hf:{tmp_path / 'hf'}", "--set", "plan.pp=2", "--set", "plan.dp_shard=1")
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "plan key 'pp' is 2" in lines[0] and "ties its embeddings" in lines[0]
 
 
 def _edit_config(folder: Path, **changes) -> None:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from cost_models.specs import ModelSpec
-from search_spaces.constraints import float8_tp_backend_error
+from search_spaces.constraints import float8_tp_backend_error, tied_tp_backend_error
 from search_spaces.plan import Plan
 
 from ..init import init_weights
@@ -174,7 +174,12 @@ def parallelize(module: nn.Module, plan: Plan, meshes, *, precision: Precision, 
         if plan.float8:                             # the tp-sharded operands' scales from global amaxes
             apply_spmd_float8_tp(module, meshes.tp)
     elif plan.tp > 1:
+        tied = getattr(getattr(module, "spec", None), "tie_embeddings", False)
+        if tied and not tp_shards_embedding(plan):      # refused before the launch (constraints.tied_tp_backend_error)
+            raise ValueError(tied_tp_backend_error(plan, backend, tied))
         apply_tp(module, meshes.tp, loss_parallel=True, shard_embedding=tp_shards_embedding(plan))
+        if tied:        # the head's weight is the embedding's again (both Shard(0): the same vocabulary rows)
+            module.tie_weights()
     if plan.cp > 1 and backend == "spmd_types":
         apply_spmd_cp(module, meshes.cp)
     elif plan.cp > 1:
