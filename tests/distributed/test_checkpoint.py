@@ -269,3 +269,27 @@ def test_expert_parallel_2_to_1(tmp_path):
     _, _, rec = titan_run(tmp_path, "ep1", FSDP2, model="moe-debug",
                           args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
     assert_close_per_step(rec["losses"], base["losses"][2:], 1e-5)
+
+
+def test_tied_model_resumes_from_fsdp_onto_tensor_parallel_and_exports_tied(tmp_path):
+    """A tied model (LM head = embedding) saved under FSDP 2 resumes onto TP 2, where the embedding and the head
+    share the vocabulary-sharded weight, continuing the loss exactly; its export keeps one weight (no lm_head)."""
+    import yaml
+    from cost_models.specs import load_model
+    model = tmp_path / "tied-debug.yaml"
+    model.write_text(yaml.safe_dump({**load_model("llama3-debug").to_dict(), "name": "tied-debug",
+                                     "tie_embeddings": True}))
+    _, run_dir, rec = titan_run(tmp_path, "base", FSDP2, train={"checkpoint_every": 2, "keep_checkpoints": 0},
+                                model=str(model))
+    _, _, got = titan_run(tmp_path, "tp", TP2, model=str(model),
+                          args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
+    assert got["first_step"] == 3
+    assert_close_per_step(got["losses"], rec["losses"][2:], 1e-5)
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+    out = tmp_path / "m.safetensors"
+    p = subprocess.run(titan_run_cmd("export", "--checkpoint", str(run_dir / "checkpoints" / "step-000004"),
+                                     "--out", str(out)), cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    t = load_file(str(out))
+    assert "model.embed_tokens.weight" in t and "lm_head.weight" not in t
