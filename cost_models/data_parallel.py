@@ -49,7 +49,9 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     all-gathers bf16 parameters once per step, overlapped with the last micro-batch's backward
     and the first one's forward (Megatron-LM --overlap-grad-reduce / --overlap-param-gather);
     zero = 0 all-reduces the main gradients, and so does DeepSpeed's BF16 optimizer (``grad_accum: hp_copy``)
-    with its optimizer sharded: fp32 gradients all-reduced, bf16 partitions all-gathered after the step.
+    with its optimizer sharded: fp32 gradients all-reduced, bf16 partitions all-gathered after the step; so does
+    DeepSpeed's ZeRO-1 (``grad_accum: autograd`` at zero 1): its 16-bit gradients all-reduced whole, then the
+    partitions all-gathered.
     Optimizer: AdamW is memory-bound -- per fp32 parameter it reads p, g, m, v and writes p, m, v
     (28 B), plus 8 B for the gradient-norm clip (fsdp2); Megatron adds the bf16 copy.
     """
