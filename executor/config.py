@@ -38,8 +38,8 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
-from search_spaces.constraints import (TIED, Target, check_plan, float8_tp_backend_error, replicate_split_backward_error,
-                                       tied_tp_backend_error)
+from search_spaces.constraints import (TIED, Target, check_plan, float8_tp_backend_error,
+                                       replicate_split_backward_error, tied_tp_backend_error)
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
 from search_spaces.typed import MAX_WORLD_SIZE, InputError, check_fields, check_keys, from_mapping, show

@@ -132,7 +132,8 @@ def test_recompute_modules_alone_imply_the_modules_policy():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--selective-ac", "attention", "--recompute-modules", "mlp"], "the list is read only with selective_ac 'modules'"),
+    (["--selective-ac", "attention", "--recompute-modules", "mlp"],
+     "the list is read only with selective_ac 'modules'"),
     (["--selective-ac", "modules", "--recompute-modules", "mlp,atn"], "got 'atn'"),
 ])
 def test_bad_values_are_one_line_exit_2(args, message):
