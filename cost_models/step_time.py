@@ -445,12 +445,15 @@ def tied_embedding_sync(table, model, workload, pp_link) -> np.ndarray:
     the two ranks all-reduce its gradient over their own two-rank group: Megatron-LM
     ``finalize_model_grads`` -> ``_allreduce_word_embedding_grads`` (main gradients: fp32, or bf16 with
     grad_dtype bf16), DeepSpeed ``PipelineEngine._exec_reduce_tied_grads`` (``dist.all_reduce`` of the
-    weight's gradient; its BF16 optimizer's fp32 copy, ``weight._hp_grad``, under grad_accum hp_copy).
-    The V schedules put the last stage on rank 0, next to the embedding: nothing to synchronise."""
+    weight's gradient; its BF16 optimizer's fp32 copy, ``weight._hp_grad``, under grad_accum hp_copy),
+    titan-run ``TiedEmbedding.sync_grads`` (executor/parallel/pipeline.py: the fsdp2 layout's gradient shards,
+    after FSDP's reduce-scatter).  The V schedules put the last stage on rank 0, next to the embedding: nothing to
+    synchronise."""
     if not (model.tie_embeddings or model.mtp_layers):    # MTP reads the embedding on the head's stage: a copy too
         return np.zeros(len(table))
+    shard = table.fsdp_size if workload.state_layout == "fsdp2" else 1
     nbytes = (4.0 if workload.grad_accum_mode == "hp_copy" else workload.grad_elem_bytes) \
-        * model.vocab_size * model.dim / table.tp
+        * model.vocab_size * model.dim / table.tp / shard
     t = all_reduce_time(2, nbytes, pp_link.p2p_bw, pp_link.p2p_alpha)
     return np.where((table.pp > 1) & ~table.is_v_schedule, t, 0.0)
 

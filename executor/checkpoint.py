@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .checkpoint_files import (FORMAT, CheckpointError, check_compatible, checkpoint_folder, dcp_load, finalize,
-                               log, model_fingerprint, newest_good, read_meta, resolve, step_name)
+                               log, model_fingerprint, newest_good, read_meta, resolve, saved_keys, step_name)
 from .checkpoint_writer import BackgroundWriter
 from .faults import kill_due, sigkill_self
 
@@ -70,6 +70,29 @@ def collect(tr) -> tuple[dict, dict]:
         rng["cuda"] = torch.cuda.get_rng_state()
     state = {"model": msd, "optim": osd["state"], "rng": {f"rank{dist.get_rank()}": rng}}
     return state, osd
+
+
+def head_from_embedding(tr, state: dict, path: Path, load) -> None:
+    """`load()` `state`; a tied embedding's head copy on the last pipeline stage (``TiedEmbedding``) takes its
+    optimizer state from the embedding's where the checkpoint holds only that one (saved on one stage, where the
+    tied weight is one parameter): renamed for the load when this rank holds the head alone, copied from the
+    embedding's after it when this rank holds both (the V schedules)."""
+    optim = state["optim"]
+    tied = getattr(tr, "tied", None)
+    if (tied is None or tied.head is None or "output.weight" not in optim
+            or any(k.startswith("optim.output.weight.") for k in saved_keys(path))):
+        load()
+        return
+    head = optim.pop("output.weight")
+    if "tok_embeddings.weight" in optim:        # both ends here: the embedding's state, copied after the load
+        load()
+        for k, v in optim["tok_embeddings.weight"].items():
+            head[k].copy_(v) if isinstance(head[k], torch.Tensor) else head.__setitem__(k, v)
+    else:
+        optim["tok_embeddings.weight"] = head
+        load()
+        del optim["tok_embeddings.weight"]
+    optim["output.weight"] = head
 
 
 def scheduler_state(tr) -> dict:
@@ -174,7 +197,7 @@ class Checkpointer:
         else:
             if meta.get("world_size") != dist.get_world_size():
                 del state["rng"]                # RNG streams are per rank: only meaningful on the same world
-            dcp_load(state, path)
+            head_from_embedding(tr, state, path, lambda: dcp_load(state, path))
             set_state_dict(model_view(tr.stages), tr.optimizer, model_state_dict=state["model"],
                            optim_state_dict={"state": state["optim"], "param_groups": osd["param_groups"]})
             restore_scheduler(tr, meta["scheduler"])

@@ -253,6 +253,16 @@ def _reader_classes():
     return SafeReader, SafeLoadPlanner
 
 
+def saved_keys(path: Path) -> set[str]:
+    """The flattened keys a DCP checkpoint holds (``optim.output.weight.step``), from its metadata (decoded
+    safely, as :func:`dcp_load` reads it)."""
+    reader_cls, _ = _reader_classes()
+    try:
+        return set(reader_cls(str(path)).read_metadata().state_dict_metadata)
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {type(e).__name__}: {e}") from None
+
+
 def dcp_load(state: dict, path: Path, *, no_dist: bool = False) -> None:
     reader_cls, planner_cls = _reader_classes()
     with warnings.catch_warnings():     # no_dist: "torch.distributed is disabled ... single process"

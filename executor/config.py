@@ -38,7 +38,7 @@ import yaml
 
 from cost_models.specs import ModelSpec, SpecError, load_hardware, load_model
 from cost_models.workload import Workload
-from search_spaces.constraints import (TIED, Target, check_plan, float8_tp_backend_error,
+from search_spaces.constraints import (Target, check_plan, float8_tp_backend_error, model_build_error,
                                        replicate_split_backward_error, tied_tp_backend_error)
 from search_spaces.planfile import TOP_LEVEL_KEYS, read_plan_file as read_checked_plan_file
 from search_spaces.plan import Plan, PlanError
@@ -408,14 +408,9 @@ def check_plan_runs(plan: Plan, spec, wl, world_size: int) -> None:
     if plan.ep > 1 and not spec.is_moe:
         raise ConfigError(f"plan key 'ep' is {plan.ep} but model '{spec.name}' is dense (no experts): "
                           "expert parallelism needs a mixture-of-experts model (set ep: 1)")
-    if not TIED.ok(plan, target):   # the rule's case, told with the key to change (executor/models/llama.py)
-        raise ConfigError(f"plan key 'pp' is {plan.pp} but model '{spec.name}' ties its embeddings "
-                          f"(tie_embeddings): titan-run keeps them tied only with pp 1 (set pp: 1)")
-    if spec.embed_norm:   # a cost-model fact of other frameworks' models (BLOOM's --embed-layernorm)
-        raise ConfigError("model key 'embed_norm' is true, but titan-run's models have no embedding norm (set it false)")
-    if spec.mtp_layers:   # a cost-model fact of other frameworks' runs (DeepSeek-V3's multi-token prediction)
-        raise ConfigError(f"model key 'mtp_layers' is {spec.mtp_layers}, but titan-run's models have no multi-token "
-                          "prediction module (set it 0)")
+    err = model_build_error(spec)   # cost-model facts of other frameworks' models (BLOOM's embedding norm, MTP)
+    if err:
+        raise ConfigError(err)
     problems = check_plan(plan, target, tp_within_node=False)
     if problems:
         reason, msg = problems[0]

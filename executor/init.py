@@ -61,9 +61,11 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def init_weights(module: nn.Module, rule_fn, *, seed: int, device: torch.device) -> None:
-    """Fill every parameter of `module` (already materialized with ``to_empty``)."""
+    """Fill every parameter of `module` (already materialized with ``to_empty``).  A module may name the parameter
+    whose values one of its own takes (``init_fqn``: a pipeline's last stage holds a copy of a tied embedding)."""
+    alias = getattr(module, "init_fqn", None) or (lambda f: f)
     for name, p in module.named_parameters():
-        fqn = clean_fqn(name)
+        fqn = alias(clean_fqn(name))
         full = full_value(rule_fn(fqn), p.shape, seed=seed, fqn=fqn, device=device)
         local = local_shard(full.to(p.dtype), p)
         dst = p.to_local() if isinstance(p, DTensor) else p

@@ -52,7 +52,7 @@ from .moe_step import (collect_step_stats, moe_layers, moe_params, set_aux_loss_
 from .parallel import Precision, build_model_parts, resolve_backend, resolve_precision
 from .parallel.context_parallel import cp_shard_batch
 from .parallel import spmd_step
-from .parallel.pipeline import build_schedule
+from .parallel.pipeline import TiedEmbedding, build_schedule
 from .parallel.spmd_pipeline import build_typed_schedule, typed_cp_shard_batch
 from .parallel.tensor_parallel import cross_entropy, loss_kind, loss_parallel, loss_value, set_loss
 from .summary import prediction_line, summarize, summary_line, write_rank_file
@@ -78,6 +78,7 @@ class Trainer:
     moe: list = field(default_factory=list)              # [(layer id, MoEFeedForward)] held here
     moe_tp_params: list = field(default_factory=list)    # MoE params whose grads are summed over tp
     moe_stats: dict | None = None                        # figures of the last step (moe_step.py)
+    tied: TiedEmbedding | None = None                    # a tied embedding split over pipeline stages
 
 
 # --------------------------------------------------------------------------- setup
@@ -158,7 +159,9 @@ def setup(cfg: RunConfig) -> Trainer:
     return Trainer(cfg=cfg, device=device, meshes=meshes, precision=precision, stages=stages, params=params,
                    optimizer=optimizer, scheduler=scheduler, batches=batches, runner=runner, backend=backend,
                    comm=comm, moe=moe,
-                   moe_tp_params=moe_params(stages) if cfg.plan.tp > 1 and backend == "dtensor" else [])
+                   moe_tp_params=moe_params(stages) if cfg.plan.tp > 1 and backend == "dtensor" else [],
+                   tied=TiedEmbedding(stages, cfg.plan, meshes) if cfg.spec.tie_embeddings and cfg.plan.pp > 1
+                   else None)
 
 
 # --------------------------------------------------------------------------- one step
@@ -200,9 +203,14 @@ def clip_grad_norm_(tr: Trainer, max_norm: float) -> torch.Tensor:
     the pp group, whose ranks hold different layers.
     """
     by_groups: dict[tuple, list[torch.Tensor]] = {}
+    copies = []         # a tied embedding's head copy on the last stage: scaled, not counted twice
+    head = tr.tied.head if tr.tied is not None else None
     for p in tr.params:
         g = p.grad
         if g is None:
+            continue
+        if p is head:
+            copies.append(g.to_local() if isinstance(g, DTensor) else g)
             continue
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
@@ -227,7 +235,7 @@ def clip_grad_norm_(tr: Trainer, max_norm: float) -> torch.Tensor:
     norm = total.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grads in by_groups.values():
+        for grads in [*by_groups.values(), *([copies] if copies else [])]:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm
 
@@ -235,6 +243,8 @@ def clip_grad_norm_(tr: Trainer, max_norm: float) -> torch.Tensor:
 def train_step(tr: Trainer, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns (global mean loss, global grad norm)."""
     local_loss = forward_backward(tr, tokens, labels)
+    if tr.tied is not None:   # the embedding and its head copy on the last stage take the sum of their gradients
+        tr.tied.sync_grads()
     if tr.moe_tp_params:      # MoE layers ran on each tp rank's own tokens: sum their grads over tp
         sum_moe_grads_over_tp(tr.moe_tp_params, tr.meshes.tp)
     grad_norm = clip_grad_norm_(tr, tr.cfg.train.grad_clip)

@@ -10,6 +10,7 @@ import typing
 from cost_models.frameworks import get_framework
 from cost_models.specs import load_hardware
 from cost_models.workload import Workload
+from search_spaces.constraints import model_build_error
 from search_spaces.planfile import write_plan_file
 from search_spaces.space import load_space
 
@@ -225,7 +226,10 @@ def _print_outcome(args, res, best, contents: dict, dry_rows, trial_rows) -> Non
         print(report.format_breakdown(res.est, best))
     if not args.no_write:
         fw = contents["inputs"].get("framework", "titan-run")
-        if fw != "titan-run" or contents["workload"].get("state_layout") != "fsdp2":
+        unbuilt = model_build_error(res.model)
+        if unbuilt:
+            print(f"\nwrote {args.out}  (a what-if: titan-run cannot build this model: {unbuilt})")
+        elif fw != "titan-run" or contents["workload"].get("state_layout") != "fsdp2":
             print(f"\nwrote {args.out}  (a what-if for {fw if fw != 'titan-run' else 'another framework'}'s regime: "
                   "titan-run refuses workload values it does not run, in one line)")
         else:

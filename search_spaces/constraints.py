@@ -40,7 +40,6 @@ R_STAGES = "stages per rank do not suit the pipeline schedule"
 R_SPLIT_AC = "selective checkpointing under a split-backward schedule"
 R_FLOAT8 = "float8 not supported by the hardware"
 R_WORLD = "degrees do not multiply to the world size"
-R_TIED = "titan-run keeps tied embeddings tied only with pp 1"
 R_MEMORY = "out of memory"
 R_GRAD_SYNC = "pp_grad_sync every_microbatch under a split-backward schedule"
 R_BACKEND = ("backend dtensor: float8 with tp > 1, or a split-backward pipeline with replicate-only data "
@@ -192,26 +191,19 @@ BATCH = Rule(
 FLOAT8 = Rule(
     R_FLOAT8, lambda p, t: _not(p.float8) | t.float8_supported,
     lambda p, t: "float8 requested on hardware without float8 GEMMs")
-# titan-run's limit, not a law of the layout (Megatron shares the tied weight across stages): a
-# what-if estimate (runnable=False) skips it, as it skips the pipeline runtime's micro-batch rules
-TIED = Rule(    # one stage holds both ends; under tp the embedding and the head shard the same vocabulary rows
-    R_TIED, lambda p, t: _not(t.tie_embeddings) | (p.pp == 1),
-    lambda p, t: (f"pp={p.pp}: the model ties its embeddings (tie_embeddings), which titan-run keeps tied only "
-                  "with pp 1 (the embedding and the head on one stage)"))
-
 PLAN_RULES = (EP_FOLD, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES)
 MICRO_RULES = (MICRO_COUNT, MICRO_ROUNDS)       # the runtime's micro-batch rules (ac is a later knob)
 RUNTIME_RULES = MICRO_RULES + (SPLIT_AC,)
-TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8, TIED)
+TARGET_RULES = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, BATCH, FLOAT8)
 LAYOUT_LIMITS = (EP_MESH,)      # titan-run's limits of a layout that `Plan` refuses unless runnable=False
 # the rules that are titan-run's limits, not laws of the layout, with what they limit: a what-if
 # estimate of another framework's layout predicts past them, saying so in one line
-TITAN_RUN_LIMITS = {MICRO_COUNT: "schedule", MICRO_ROUNDS: "schedule", SPLIT_AC: "schedule", TIED: "layout",
+TITAN_RUN_LIMITS = {MICRO_COUNT: "schedule", MICRO_ROUNDS: "schedule", SPLIT_AC: "schedule",
                     PP_LAYERS: "layout", EP_MESH: "layout"}
 
 
 CHECK_ORDER = (WORLD, TP_SHAPE, TP_NODE, PP_RANKS, PP_LAYERS, SEQ, EP_EXPERTS, EP_FOLD, EP_MESH, BATCH, MICRO_COUNT,
-               MICRO_ROUNDS, FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, TIED, SPLIT_AC)
+               MICRO_ROUNDS, FLOAT8, V_STAGES, INTERLEAVED_STAGES, SINGLE_STAGES, SPLIT_AC)
 assert set(CHECK_ORDER) == set(PLAN_RULES + LAYOUT_LIMITS + RUNTIME_RULES + TARGET_RULES)
 
 
@@ -234,6 +226,17 @@ def float8_tp_backend_error(plan: Any, backend: str) -> str | None:
     if bool(plan.float8) and plan.tp > 1 and backend == "dtensor":
         return ("plan key 'float8' with tp > 1 runs on backend spmd_types only (torchao's float8 TP styles for "
                 "DTensor are not wired here): set backend: spmd_types, or tp: 1")
+    return None
+
+
+def model_build_error(spec: Any) -> str | None:
+    """Why titan-run cannot build model `spec`, or None: cost-model facts of other frameworks' models that its
+    model code lacks (the executor refuses such a plan in this one line; `titan-plan` writes it as a what-if)."""
+    if getattr(spec, "embed_norm", False):   # BLOOM's --embed-layernorm
+        return "model key 'embed_norm' is true, but titan-run's models have no embedding norm (set it false)"
+    if getattr(spec, "mtp_layers", 0):       # DeepSeek-V3's multi-token prediction
+        return (f"model key 'mtp_layers' is {spec.mtp_layers}, but titan-run's models have no multi-token "
+                "prediction module (set it 0)")
     return None
 
 

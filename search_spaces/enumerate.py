@@ -105,7 +105,7 @@ def _layouts(space: SearchSpace, t: C.Target, rejected: list[Rejection]) -> tupl
     n_layouts = len(d["dp_shard"])
     # one stage per rank for now: the pipeline-length rule is checked again once stages_per_rank is known
     view = Columns({**d, "stages_per_rank": np.ones(n_layouts, dtype=np.int64)})
-    stage1 = (C.TP_SHAPE,) + ((C.TP_NODE,) if space.tp_within_node else ()) + (C.PP_LAYERS, C.SEQ, C.TIED)
+    stage1 = (C.TP_SHAPE,) + ((C.TP_NODE,) if space.tp_within_node else ()) + (C.PP_LAYERS, C.SEQ)
     good = _keep(view, stage1, "layouts", t, rejected)
     return {k: v[good] for k, v in d.items()}, n_layouts
 

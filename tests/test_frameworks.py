@@ -140,8 +140,9 @@ def test_a_regime_without_selective_recompute_is_not_given_it(tmp_path):
     doc = json.loads(asked.stdout)
     assert doc["plan"]["ac"] == "selective" and doc["ac_note"] is None
     assert "megatron-deepspeed has no selective recompute; predicted as asked (--ac selective)" in doc["knob_notes"]
-    # titan-run has all three
-    own = json.loads(planner_cli(*q, "--json").stdout)
+    # titan-run has all three (its own sync and TP regime stated, so that one workload's plans are compared)
+    own = json.loads(planner_cli(*q, "--pp-grad-sync", "last_microbatch", "--tp-activations", "gathered",
+                                 "--json").stdout)
     assert "selective" in own["ac_note"]
 
 

@@ -52,3 +52,17 @@ def test_mixtral_8x22b_is_the_model_zoo_rows_model():
     assert (m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.vocab_size, m.n_experts, m.top_k, m.moe_ffn_hidden) == \
         tuple(int(want[k]) for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "n_experts", "top_k",
                                      "moe_ffn_hidden"))
+
+
+def test_a_preset_titan_run_cannot_build_is_planned_as_a_what_if(tmp_path):
+    """BLOOM's embedding LayerNorm is a cost-model fact titan-run's models lack: titan-plan still ranks and writes
+    the plan, saying it is a what-if in one line, and titan-run refuses the plan with the same reason."""
+    from executor.config import ConfigError, load_run_config
+    from tests.cost_model_helpers import planner_cli
+    out = tmp_path / "plan.yaml"
+    r = planner_cli("--model", "bloom-176b", "--gpus", "384", "--hardware", "a100-80g", "--seq-len", "2048",
+                    "--global-batch", "1536", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "a what-if: titan-run cannot build this model: model key 'embed_norm' is true" in r.stdout
+    with pytest.raises(ConfigError, match="model key 'embed_norm' is true"):
+        load_run_config(str(out), [], world_size=384)

@@ -123,6 +123,14 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
+    def init_fqn(self, fqn: str) -> str:
+        """The parameter whose values `fqn` takes at initialization: a tied head without its embedding (the last
+        of several pipeline stages holds a copy of the embedding, kept equal by summing the two gradients,
+        ``parallel/pipeline.py: sync_tied_embedding_grads``) starts as the embedding does."""
+        if self.spec.tie_embeddings and fqn == "output.weight" and self.tok_embeddings is None:
+            return "tok_embeddings.weight"
+        return fqn
+
     def init_rule(self, fqn: str) -> tuple[str, float]:
         """('normal', std) | ('trunc_normal', std) | ('ones', 0) | ('zeros', 0) for a parameter name.
 

@@ -129,6 +129,46 @@ def _build_stage(model: nn.Module, layer_keys: list[str], keep: set[str], first:
     return stage
 
 
+# --------------------------------------------------------------------------- tied embeddings over stages
+class TiedEmbedding:
+    """A tied embedding split over pipeline stages: the first stage holds the embedding, the last a copy of it as
+    the LM head (initialized alike, ``Transformer.init_fqn``).  After each step's backward the two gradients are
+    summed, so both copies take the tied weight's gradient and the same optimizer update (Megatron-LM's embedding
+    group, ``_allreduce_word_embedding_grads``; the cost model's ``step_time.tied_embedding_sync``): over a
+    two-rank group of each pipeline's first and last rank, or on one rank when it holds both stages (the V
+    schedules).  ``head`` is the copy the gradient norm leaves out (counted once, as the tied weight)."""
+
+    def __init__(self, stages: list[tuple[int, nn.Module]], plan: Plan, meshes):
+        self.embedding = self.head = None
+        for s, m in stages:
+            if s == 0:
+                self.embedding = m.tok_embeddings.weight
+            if s == plan.n_stages - 1:
+                self.head = m.output.weight
+        self.group = None
+        if not plan.is_v_schedule:   # every rank joins the creation of every pipeline's pair, in the same order
+            world = meshes.world
+            pp_dim = world.mesh_dim_names.index("pp")
+            rows = world.mesh.movedim(pp_dim, -1).reshape(-1, plan.pp).tolist()
+            self.group, _ = dist.new_subgroups_by_enumeration([[r[0], r[-1]] for r in rows])
+
+    def sync_grads(self) -> None:
+        """Sum the embedding's and the head copy's gradients (this rank's shards) into both."""
+        ends = [p for p in (self.embedding, self.head) if p is not None]
+        grads = [_local(p.grad) for p in ends if p.grad is not None]
+        if not grads:
+            return
+        if self.group is None:          # both on this rank
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        else:
+            dist.all_reduce(grads[0], group=self.group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def microbatch_error(plan: Plan) -> str | None:
     """Why the pipeline runtime would reject the plan, or None: the runtime rules of
     ``search_spaces/constraints.py`` -- the micro-batch counts torch's schedules accept and, since the split
