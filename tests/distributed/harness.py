@@ -111,6 +111,16 @@ class TitanRun:
         return [r["grad_norm"] for r in self.metrics]
 
 
+def write_tied_model(folder: Path) -> str:
+    """llama3-debug with its LM head tied to its embedding (as BLOOM, GPT-3 and small Llamas are), as a model YAML
+    file in `folder`; returns its path."""
+    from cost_models.specs import load_model
+    path = Path(folder) / "tied-debug.yaml"
+    path.write_text(yaml.safe_dump({**load_model("llama3-debug").to_dict(), "name": "tied-debug",
+                                    "tie_embeddings": True}))
+    return str(path)
+
+
 def run_titan(plan: Plan, *, nproc: int | None = None, model: str = DEFAULT_MODEL, seq_len: int = DEFAULT_SEQ_LEN,
               global_batch: int | None = None, steps: int = DEFAULT_STEPS, train: dict | None = None,
               extra: dict | None = None, args: tuple = (), extra_env: dict | None = None,

@@ -18,7 +18,7 @@ import yaml
 
 from executor.elastic import replan
 from search_spaces.plan import Plan
-from tests.distributed.harness import ROOT, assert_close_per_step, env, run_titan, titan_run_cmd
+from tests.distributed.harness import ROOT, assert_close_per_step, env, run_titan, titan_run_cmd, write_tied_model
 
 pytestmark = pytest.mark.distributed
 STEPS = 5
@@ -274,14 +274,10 @@ def test_expert_parallel_2_to_1(tmp_path):
 def test_tied_model_resumes_from_fsdp_onto_tensor_parallel_and_exports_tied(tmp_path):
     """A tied model (LM head = embedding) saved under FSDP 2 resumes onto TP 2, where the embedding and the head
     share the vocabulary-sharded weight, continuing the loss exactly; its export keeps one weight (no lm_head)."""
-    import yaml
-    from cost_models.specs import load_model
-    model = tmp_path / "tied-debug.yaml"
-    model.write_text(yaml.safe_dump({**load_model("llama3-debug").to_dict(), "name": "tied-debug",
-                                     "tie_embeddings": True}))
+    model = write_tied_model(tmp_path)
     _, run_dir, rec = titan_run(tmp_path, "base", FSDP2, train={"checkpoint_every": 2, "keep_checkpoints": 0},
-                                model=str(model))
-    _, _, got = titan_run(tmp_path, "tp", TP2, model=str(model),
+                                model=model)
+    _, _, got = titan_run(tmp_path, "tp", TP2, model=model,
                           args=("--resume", str(run_dir / "checkpoints" / "step-000002")))
     assert got["first_step"] == 3
     assert_close_per_step(got["losses"], rec["losses"][2:], 1e-5)
@@ -299,19 +295,15 @@ def test_tied_model_resumes_across_pipeline_splits(tmp_path):
     """A tied model split over 2 pipeline stages (the last holds a copy of the embedding as its head) saves both
     copies; it resumes onto one stage (FSDP 2) and a one-stage checkpoint resumes onto 2 stages, the loss
     continuing exactly both ways."""
-    import yaml
-    from cost_models.specs import load_model
-    model = tmp_path / "tied-debug.yaml"
-    model.write_text(yaml.safe_dump({**load_model("llama3-debug").to_dict(), "name": "tied-debug",
-                                     "tie_embeddings": True}))
+    model = write_tied_model(tmp_path)
     pp2 = Plan(pp=2, microbatch=1, n_microbatches=4)
     ckpt = {"checkpoint_every": 2, "keep_checkpoints": 0}
-    _, pp_dir, pp_rec = titan_run(tmp_path, "pp2", pp2, train=ckpt, model=str(model))
-    _, fsdp_dir, fsdp_rec = titan_run(tmp_path, "fsdp2", FSDP2, train=ckpt, model=str(model))
+    _, pp_dir, pp_rec = titan_run(tmp_path, "pp2", pp2, train=ckpt, model=model)
+    _, fsdp_dir, fsdp_rec = titan_run(tmp_path, "fsdp2", FSDP2, train=ckpt, model=model)
     assert_close_per_step(pp_rec["losses"], fsdp_rec["losses"], 1e-5)
-    _, _, a = titan_run(tmp_path, "pp_to_fsdp", FSDP2, model=str(model),
+    _, _, a = titan_run(tmp_path, "pp_to_fsdp", FSDP2, model=model,
                         args=("--resume", str(pp_dir / "checkpoints" / "step-000002")))
-    _, _, b = titan_run(tmp_path, "fsdp_to_pp", pp2, model=str(model),
+    _, _, b = titan_run(tmp_path, "fsdp_to_pp", pp2, model=model,
                         args=("--resume", str(fsdp_dir / "checkpoints" / "step-000002")))
     assert a["first_step"] == 3 and b["first_step"] == 3
     assert_close_per_step(a["losses"], fsdp_rec["losses"][2:], 1e-5)

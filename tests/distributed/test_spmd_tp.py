@@ -28,7 +28,7 @@ from executor.parallel.parallelize import Precision, build_model_parts, resolve_
 from executor.parallel.spmd_tensor_parallel import BLOCK_SHARDING, BOUNDARY_OPS
 from search_spaces.plan import Plan
 from tests.distributed.harness import (in_fresh_process, assert_backends_agree, assert_close_per_step,
-                                       backend_params, run_on_its_backend, run_titan)
+                                       backend_params, run_on_its_backend, run_titan, write_tied_model)
 
 needs_spmd = pytest.mark.skipif(spmd_fsdp_supported() is not None, reason=str(spmd_fsdp_supported()))
 LAYOUTS = {"tp2": Plan(tp=2, microbatch=4), "dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2),
@@ -253,12 +253,7 @@ TIED_LAYOUTS = {"tied_dp2xtp2": Plan(dp_shard=2, tp=2, microbatch=2), "tied_tp2"
 
 @pytest.fixture(scope="session")
 def tied_model(tmp_path_factory) -> str:
-    """llama3-debug with its LM head tied to its embedding (as BLOOM, GPT-3 and small Llamas are)."""
-    import yaml
-    path = tmp_path_factory.mktemp("tied") / "tied-debug.yaml"
-    path.write_text(yaml.safe_dump({**load_model("llama3-debug").to_dict(), "name": "tied-debug",
-                                    "tie_embeddings": True}))
-    return str(path)
+    return write_tied_model(tmp_path_factory.mktemp("tied"))
 
 
 @needs_spmd

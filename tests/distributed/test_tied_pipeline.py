@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import yaml
 
 from cost_models.specs import load_model
 from search_spaces.plan import Plan
-from tests.distributed.harness import assert_matches_single_process
+from tests.distributed.harness import assert_matches_single_process, write_tied_model
 
 pytestmark = pytest.mark.distributed
 
@@ -27,10 +26,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tied") / "tied-debug.yaml"
-    path.write_text(yaml.safe_dump({**load_model("llama3-debug").to_dict(), "name": "tied-debug",
-                                    "tie_embeddings": True}))
-    return str(path)
+    return write_tied_model(tmp_path_factory.mktemp("tied"))
 
 
 @pytest.mark.parametrize("layout", [
