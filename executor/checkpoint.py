@@ -87,7 +87,10 @@ def head_from_embedding(tr, state: dict, path: Path, load) -> None:
     if "tok_embeddings.weight" in optim:        # both ends here: the embedding's state, copied after the load
         load()
         for k, v in optim["tok_embeddings.weight"].items():
-            head[k].copy_(v) if isinstance(head[k], torch.Tensor) else head.__setitem__(k, v)
+            if isinstance(head[k], torch.Tensor):
+                head[k].copy_(v)
+            else:
+                head[k] = v
     else:
         optim["tok_embeddings.weight"] = head
         load()

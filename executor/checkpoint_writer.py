@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint_files import CheckpointError, finalize, manifest
 from .faults import ExpectedFailure, expected_failure
+from .init import local_tensor
 
 NICE = 19
 STARTUP_TIMEOUT_S = 900
@@ -89,12 +90,8 @@ def _put(state: dict, path: tuple, value) -> None:
     state[path[-1]] = value
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _signature(tensors: list[tuple[tuple, torch.Tensor]]) -> tuple:
-    return tuple((path, type(t).__name__, tuple(t.shape), tuple(_local(t).shape), str(t.dtype),
+    return tuple((path, type(t).__name__, tuple(t.shape), tuple(local_tensor(t).shape), str(t.dtype),
                   str(getattr(t, "placements", ""))) for path, t in tensors)
 
 
@@ -106,12 +103,12 @@ def _shared_buffers(tensors: list[tuple[tuple, torch.Tensor]]) -> list[tuple[tup
     offset crashes (SIGSEGV) when pickled through torch.multiprocessing (torch 2.14), plain views do not."""
     sizes: dict[torch.dtype, int] = {}
     for _, t in tensors:
-        sizes[t.dtype] = sizes.get(t.dtype, 0) + _local(t).numel()
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + local_tensor(t).numel()
     flat = {dt: torch.empty(n, dtype=dt).share_memory_() for dt, n in sizes.items()}
     used = dict.fromkeys(sizes, 0)
     items = []
     for path, t in tensors:
-        local = _local(t)
+        local = local_tensor(t)
         off = used[t.dtype]
         used[t.dtype] = off + local.numel()
         items.append((path, flat[t.dtype][off:off + local.numel()].view(local.shape), getattr(t, "_spec", None)))
@@ -208,7 +205,7 @@ class BackgroundWriter:
         self._stage_structure(tensors)
         with torch.no_grad():
             for (_, src), (_, dst, _) in zip(tensors, self._staged):
-                dst.copy_(_local(src))
+                dst.copy_(local_tensor(src))
         self._conn.send(("save", {**job, "extras": extras}))
         self._pending = True
 

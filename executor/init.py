@@ -48,6 +48,11 @@ def full_value(rule: tuple[str, float], shape: torch.Size, *, seed: int, fqn: st
     raise ValueError(f"unknown init rule {kind!r} for parameter '{fqn}'")
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local tensor (a view), any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of `full` laid out as the (D)Tensor `like`."""
     if not isinstance(like, DTensor):

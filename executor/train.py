@@ -44,6 +44,7 @@ from .comm_timer import CommTimer, all_gather_flat
 from .config import ConfigError, RunConfig, dump_resolved
 from .cpu_memory import CpuPeakMemory, training_state_bytes
 from .data import PackedBatches, build_batches
+from .init import local_tensor
 from .mesh import AXES, FLAT_AXES, Meshes, build_meshes, init_distributed
 from .metrics import hardware_for_device, mfu, world_peak_flops
 from .metrics_writer import MetricsWriter
@@ -210,7 +211,7 @@ def clip_grad_norm_(tr: Trainer, max_norm: float) -> torch.Tensor:
         if g is None:
             continue
         if p is head:
-            copies.append(g.to_local() if isinstance(g, DTensor) else g)
+            copies.append(local_tensor(g))
             continue
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):

@@ -91,25 +91,27 @@ def choose_ac(plans: list[Plan], est: Estimates) -> int:
 
 def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str = "plan",
                 workload=None, model=None, ac_choices: tuple[str, ...] | None = None,
-                schedules: tuple[str, ...] = ()) -> list[Plan]:
+                free_schedule: bool = False) -> list[Plan]:
     """`layout` completed (a what-if: ``runnable=False``); one plan per setting of :data:`AC_ORDER`
     (those of `ac_choices` only: a framework regime whose code lacks one, ``Framework.ac_choices``)
     when it gives no ``ac``, else just the one; each of them with reshard-after-forward on and off when the
     layout gives no ``reshard_after_forward`` and it matters (FSDP shards, ``dp_shard`` > 1, under the
     fsdp2 state layout of `workload`), and, for Interleaved1F1B without ``stages_per_rank``, with each
     stages-per-rank value of the search space `titan-plan` would take (`plan_command.default_space`) that
-    leaves every stage a layer of `model`.  With a pipeline and no schedule in `layout`, each of `schedules` too
-    (the default, 1F1B, first; Interleaved1F1B with each of those stages-per-rank values)."""
+    leaves every stage a layer of `model`.  With `free_schedule` (a regime whose runs take the schedule titan-plan
+    picks), a pipeline and no schedule in `layout`: each schedule of that search space too (the default, 1F1B,
+    first; Interleaved1F1B with each of those stages-per-rank values)."""
     settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER if ac in (ac_choices or AC_ORDER)]
     first = Plan.complete(dict(layout), world_size=world_size, global_batch=global_batch, runnable=False,
                           where=where)
     fsdp2 = workload is None or workload.state_layout == "fsdp2"
     if "reshard_after_forward" not in layout and fsdp2 and first.dp_shard > 1:
         settings = [{**s, "reshard_after_forward": r} for s in settings for r in (True, False)]
-    vs = []             # the space's stages-per-rank values that leave every stage a layer
+    vs, schedules = [], []      # the space's stages-per-rank values that leave every stage a layer; its schedules
     if "stages_per_rank" not in layout and model is not None and workload is not None:
         space = load_space(default_space(model, workload))
         vs = [v for v in space.knobs["stages_per_rank"] if first.pp * v <= model.n_layers]
+        schedules = space.knobs["schedule"] if free_schedule else []
     scheds = [{}]
     if first.pp > 1 and "schedule" not in layout and "stages_per_rank" not in layout:
         scheds += [{"schedule": k, **({"stages_per_rank": v} if k == "Interleaved1F1B" else {})}
@@ -155,9 +157,11 @@ def estimate_choosing_ac(plans: list[Plan], model, hw, workload, coeffs
         ac_note = f"ac not given: '{plans[i].ac}', {why} (peak per device: {peaks})"
     notes = []
     chosen = plans[i]
-    free_schedule = len({p.schedule for p in plans}) > 1      # then the schedule's note gives the stages per rank
+    # one note on the pipeline: the schedule's (with its stages per rank) where the schedule was chosen, else the
+    # stages per rank's
+    skip = "stages_per_rank" if len({p.schedule for p in plans}) > 1 else "schedule"
     for key, name, get, show_value in _FREE:
-        if (key == "stages_per_rank") == free_schedule and key in ("schedule", "stages_per_rank"):
+        if key == skip:
             continue
         pair = ("schedule", "stages_per_rank")                 # one knob as far as the other's rows go
         others = [g for k, _, g, _ in _FREE if k != key and not (key in pair and k in pair)]
@@ -424,9 +428,8 @@ def cmd_estimate(args) -> int:
     regime_notes = [schedule_note, *regime_notes] if schedule_note else regime_notes
     # titan-run's own runs take the schedule titan-plan would: with a pipeline and none asked, each one of the
     # search space that titan-run runs on this layout is estimated too (other stacks: their regime's default)
-    schedules = tuple(load_space(default_space(model, workload)).knobs["schedule"]) if fw.schedule_free else ()
-    plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch,
-                        where=where, workload=workload, model=model, ac_choices=fw.ac_choices, schedules=schedules)
+    plans = ac_variants(layout, world_size=gpus, global_batch=workload.global_batch, where=where, workload=workload,
+                        model=model, ac_choices=fw.ac_choices, free_schedule=fw.schedule_free)
     plan = plans[0]
     plan.check_world(gpus)
     target = C.Target.of(model, world_size=gpus, seq_len=workload.seq_len, global_batch=workload.global_batch,

@@ -126,7 +126,7 @@ class Transformer(nn.Module):
     def init_fqn(self, fqn: str) -> str:
         """The parameter whose values `fqn` takes at initialization: a tied head without its embedding (the last
         of several pipeline stages holds a copy of the embedding, kept equal by summing the two gradients,
-        ``parallel/pipeline.py: sync_tied_embedding_grads``) starts as the embedding does."""
+        ``parallel/pipeline.py: TiedEmbedding``) starts as the embedding does."""
         if self.spec.tie_embeddings and fqn == "output.weight" and self.tok_embeddings is None:
             return "tok_embeddings.weight"
         return fqn

@@ -74,6 +74,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from cost_models.layout import stage_layer_counts
+from executor.init import local_tensor
 from executor.config import grad_sync_error
 from search_spaces.constraints import RUNTIME_RULES
 from search_spaces.plan import Plan
@@ -155,7 +156,7 @@ class TiedEmbedding:
     def sync_grads(self) -> None:
         """Sum the embedding's and the head copy's gradients (this rank's shards) into both."""
         ends = [p for p in (self.embedding, self.head) if p is not None]
-        grads = [_local(p.grad) for p in ends if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in ends if p.grad is not None]
         if not grads:
             return
         if self.group is None:          # both on this rank
@@ -163,10 +164,6 @@ class TiedEmbedding:
             grads[1].copy_(grads[0])
         else:
             dist.all_reduce(grads[0], group=self.group)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def microbatch_error(plan: Plan) -> str | None:
