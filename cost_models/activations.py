@@ -334,6 +334,12 @@ def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tup
     return kept, np.maximum(none - kept, 0.0) + grads + ffn_grads + tp_bufs
 
 
+# Input gradients a rank of a multi-stage schedule still holds at its activation peak when it waits each send at
+# the point the schedule's program proves complete (titan-run, `pipeline_extra_bytes` ``grads_held``).
+HELD_GRAD_SENDS = 2.0
+HELD_GRAD_SENDS_ZBV = 3.0
+
+
 def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str, np.ndarray]:
     """Per-rank bytes of pipeline mechanics that do not scale like one block's activations.
 
@@ -351,10 +357,14 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
       ``sends_grad`` by its backward ones (an input gradient from each stage but the first), none across
       a V schedule's same-rank hand-over (rank pp - 1 holds stages pp - 1 and pp).  Measured with
       titan-run's profiled peak (pp 2, v 2, 8 and 16 micro-batches), torch's runtime as is: 3 per
-      micro-batch on both ranks of Interleaved1F1B, 2 on both of ZBVZeroBubble and DualPipeV.  titan-run
-      (``pp_sent_tensors: outputs_released``) lets a sent output go once its gradient is back, so the
-      outputs are the in-flight ``boundary`` tensors and only ``sends_grad`` grows: 1 / 2 per micro-batch
-      on ranks 0 / 1 of Interleaved1F1B, 1 / 1 of the V schedules (bench/bench_pp_recv_memory.py).
+      micro-batch on both ranks of Interleaved1F1B, 2 on both of ZBVZeroBubble and DualPipeV.
+    * ``grads_held``: titan-run (``pp_sent_tensors: released``) lets a sent output go once its gradient is
+      back, so the outputs are the in-flight ``boundary`` tensors, and a sent input gradient at the point of
+      the schedule's program where the peer's next message shows the peer has used it
+      (executor/parallel/pipeline_sends.py): at a rank's activation peak at most ``HELD_GRAD_SENDS`` of them
+      are held (``HELD_GRAD_SENDS_ZBV`` under ZBVZeroBubble), read off torch 2.14's programs for pp 2-16,
+      v 2-8 (tests/test_pipeline_sends.py), whatever the micro-batch count; measured, the profiled peak no
+      longer grows with the micro-batch count on any schedule (bench/bench_pp_recv_memory.py).
     * ``deferred_w``: ZBVZeroBubble splits backward into I (input grad) and W (weight grad) and runs
       W late; until then each pending (chunk, micro-batch) keeps the gradients of every matmul's
       output (the dW = g^T x operands).  Their forward tensors are among the pp in-flight
@@ -384,11 +394,13 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     piped = table.pp > 1
     # torch.distributed.pipelining only (the fsdp2 layout); Megatron frees a sent output's data
     # (deallocate_output_tensor) and waits its sends per micro-batch
-    torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors: kept or outputs_released (auto for fsdp2)
-    held_outputs = workload.pp_keeps_sent_outputs     # kept: a multi-stage schedule holds the sent outputs too
+    torch_pp = workload.pp_keeps_sent      # workload pp_sent_tensors: kept or released (auto for fsdp2)
+    held_outputs = workload.pp_keeps_sent_outputs     # kept: a multi-stage schedule holds every send to the end
     boundary = np.where(piped & torch_pp & (~multi | (not held_outputs)), v * resid, 0.0)
-    sends_grad = np.where(multi & torch_pp, table.n_microbatches * resid, 0.0)    # per send direction
+    sends_grad = np.where(multi & torch_pp & held_outputs, table.n_microbatches * resid, 0.0)   # per direction
     sends_out = np.where(multi & torch_pp & held_outputs, table.n_microbatches * resid, 0.0)
+    held = np.where(table.is_schedule("ZBVZeroBubble"), HELD_GRAD_SENDS_ZBV, HELD_GRAD_SENDS)
+    grads_held = np.where(multi & torch_pp & (not held_outputs), held * resid, 0.0)     # per rank that sends any
     out_width = 0.0 * tp
     for m in layer_matmuls(model, moe):
         mult = model.top_k if m.expert else 1.0
@@ -397,8 +409,8 @@ def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str,
     deferred_w = np.where(zbv, (pp - 1) / v * layers_per_rank(table, model, workload.pp_weighted) * e * out_width * tokens, 0.0)
     # torch's PipelineStage as TorchTitan runs it; titan-run and Megatron receive per micro-batch
     recv = np.where(piped & torch_pp & workload.pp_recv_persistent, table.n_microbatches * resid, 0.0)
-    return {"boundary": boundary, "sends_out": sends_out, "sends_grad": sends_grad, "deferred_w": deferred_w,
-            "recv": recv}
+    return {"boundary": boundary, "sends_out": sends_out, "sends_grad": sends_grad, "grads_held": grads_held,
+            "deferred_w": deferred_w, "recv": recv}
 
 
 def head_activation_bytes(table, model, workload, compiled) -> np.ndarray:

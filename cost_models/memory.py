@@ -390,7 +390,8 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     handover = np.where(v_shape & (rank == table.pp - 1), 1.0, 0.0)
     out_directions = table.stages_per_rank - has_head - handover
     grad_directions = table.stages_per_rank - rp[f"{which}_has_emb"] - handover
-    sends = out_directions * pipe["sends_out"] + grad_directions * pipe["sends_grad"]
+    sends = (out_directions * pipe["sends_out"] + grad_directions * pipe["sends_grad"]
+             + np.where(grad_directions > 0, pipe["grads_held"], 0.0))
     acts = ((infl * per_mb + working_set + pipe["deferred_w"]
             + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
             + (sends + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)

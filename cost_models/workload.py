@@ -97,13 +97,14 @@ class Workload:
     ``pp_sent_tensors`` is what the pipeline runtime does with the tensors a stage has sent: ``kept``
     (torch.distributed.pipelining as TorchTitan runs it: a stage output stays in the stage's forward cache
     until its backward, and the multi-stage schedules keep every P2P send's work -- with the sent
-    activation or input gradient -- until the end of the step), ``outputs_released`` (titan-run: the same
-    runtime, but a sent stage output is let go once its gradient has come back, so only the sent input
-    gradients are held to the step's end: executor/parallel/pipeline.py ``_releasing_sent_outputs``) or
+    activation or input gradient -- until the end of the step), ``released`` (titan-run: the same
+    runtime, but a sent stage output is let go once its gradient has come back, and a sent input gradient
+    once the peer's next message shows the peer has used it, a point read off the schedule's program:
+    executor/parallel/pipeline.py ``_releasing_sent_outputs``, pipeline_sends.py) or
     ``freed`` (Megatron-core's ``deallocate_output_tensor`` under ``deallocate_pipeline_outputs``,
     megatron/core/pipeline_parallel/schedules.py: a sent output's data is freed and sends are waited per
     micro-batch; the Llama 3 paper, arXiv:2407.21783 Sec. 3.3.2: "we proactively deallocate ... the input
-    and output tensors of each pipeline stage"); ``auto`` is ``outputs_released`` for fsdp2 and ``freed``
+    and output tensors of each pipeline stage"); ``auto`` is ``released`` for fsdp2 and ``freed``
     for megatron.
     ``pp_recv_buffers`` is how long a pipeline stage keeps the tensors it receives into: ``persistent``
     (torch's PipelineStage allocates one buffer per micro-batch and direction at the first step and keeps
@@ -249,7 +250,7 @@ class Workload:
     float8_cache: Literal["auto", "fp8", "fine_grained"] = "auto"   # what float8 linears keep for backward
     loss_impl: Literal["auto", "eager", "compiled", "fused"] = "auto"     # cross-entropy kernel
     grad_accum: Literal["auto", "autograd", "fused", "hp_copy"] = "auto"   # per-micro-batch gradient pass
-    pp_sent_tensors: Literal["auto", "kept", "outputs_released", "freed"] = "auto"   # pipeline: sent tensors
+    pp_sent_tensors: Literal["auto", "kept", "released", "freed"] = "auto"   # pipeline: sent tensors
     pp_recv_buffers: Literal["auto", "persistent", "per_microbatch"] = "auto"   # pipeline: receive buffers
     pp_grad_sync: Literal["auto", "last_microbatch", "every_microbatch"] = "auto"   # pipeline: DP grad sync
     pp_split: Literal["layers", "weighted"] = "layers"        # pipeline: how layers are cut into stages
@@ -372,17 +373,16 @@ class Workload:
 
     @property
     def pp_sent_mode(self) -> str:
-        """``pp_sent_tensors`` with ``auto`` resolved by the state layout: ``outputs_released`` for fsdp2
+        """``pp_sent_tensors`` with ``auto`` resolved by the state layout: ``released`` for fsdp2
         (titan-run), ``freed`` for megatron."""
         if self.pp_sent_tensors != "auto":
             return self.pp_sent_tensors
-        return "outputs_released" if self.state_layout == "fsdp2" else "freed"
+        return "released" if self.state_layout == "fsdp2" else "freed"
 
     @property
     def pp_keeps_sent(self) -> bool:
-        """True when the pipeline runtime is torch.distributed.pipelining's (``kept`` or ``outputs_released``):
-        stage outputs cached to their backward, sent input gradients held to the step's end; False when it
-        frees what it has sent (``freed``)."""
+        """True when the pipeline runtime is torch.distributed.pipelining's (``kept`` or ``released``):
+        stage outputs cached to their backward; False when it frees what it has sent (``freed``)."""
         return self.pp_sent_mode != "freed"
 
     @property

@@ -315,9 +315,9 @@ _OTHER_FRAMEWORKS = (
      "titan-run weights the expert outputs at the combine (auto or combine"),
     ("ep_dispatch", lambda wl: wl.ep_dispatch != "per_node",
      "titan-run sends every routed copy in one all-to-all (auto or every_copy"),
-    ("pp_sent_tensors", lambda wl: wl.pp_sent_mode == "outputs_released",
-     "titan-run's pipelining lets a sent stage output go once its gradient is back and holds the sent input "
-     "gradients to the step's end (auto or outputs_released"),
+    ("pp_sent_tensors", lambda wl: wl.pp_sent_mode == "released",
+     "titan-run's pipelining lets a sent stage output go once its gradient is back and a sent input gradient "
+     "once the peer has used it (auto or released"),
     ("pp_recv_buffers", lambda wl: not wl.pp_recv_persistent,
      "titan-run's stages receive into a fresh buffer per micro-batch (auto or per_microbatch"),
     ("tp_comm_overlap", lambda wl: wl.tp_comm_overlap in ("auto", "none"),

@@ -89,10 +89,10 @@ WORKLOAD_HELP = {
                    "titan-run, TorchTitan, Megatron's alltoall dispatcher) or per_node (DeepEP / HybridEP, Megatron's "
                    "flex dispatcher: once per remote node, then over NVLink)",
     "pp_sent_tensors": "what the pipeline runtime does with the tensors a stage has sent: auto (default: "
-                       "outputs_released for fsdp2, freed for megatron), kept (torch.distributed.pipelining as "
+                       "released for fsdp2, freed for megatron), kept (torch.distributed.pipelining as "
                        "TorchTitan runs it: stage outputs cached, multi-stage schedules hold sends to the step's "
-                       "end), outputs_released (titan-run: a sent output let go once its gradient is back, sent "
-                       "input gradients held to the step's end) or freed (Megatron's deallocate_pipeline_outputs, "
+                       "end), released (titan-run: a sent output let go once its gradient is back, a sent input "
+                       "gradient once the peer's next message shows it used it) or freed (Megatron's deallocate_pipeline_outputs, "
                        "the Llama 3 paper)",
     "pp_recv_buffers": "how long a pipeline stage keeps the tensors it receives into: auto (default: "
                        "per_microbatch), per_microbatch (titan-run, Megatron: a micro-batch's buffer from its "

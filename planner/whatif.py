@@ -78,6 +78,10 @@ def _dp_degree_flags(dp, flags: dict) -> dict:
 
 
 AC_ORDER = ("none", "selective", "full")      # the settings choose_ac compares, in that order
+# Interleaved1F1B's stages per rank tried when a question leaves them out: each of 2..8 that leaves every stage a
+# layer, beside the search space's (a published run's V is often unstated and deep models run 5-8: Llama 3 405B
+# at pp 16 has 126 layers, 7 per rank at V 7)
+MAX_UNSTATED_V = 8
 
 
 def choose_ac(plans: list[Plan], est: Estimates) -> int:
@@ -97,8 +101,8 @@ def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str 
     when it gives no ``ac``, else just the one; each of them with reshard-after-forward on and off when the
     layout gives no ``reshard_after_forward`` and it matters (FSDP shards, ``dp_shard`` > 1, under the
     fsdp2 state layout of `workload`), and, for Interleaved1F1B without ``stages_per_rank``, with each
-    stages-per-rank value of the search space `titan-plan` would take (`plan_command.default_space`) that
-    leaves every stage a layer of `model`.  With `free_schedule` (a regime whose runs take the schedule titan-plan
+    stages-per-rank value of the search space `titan-plan` would take (`plan_command.default_space`) and each of
+    2..`MAX_UNSTATED_V` that leaves every stage a layer of `model`.  With `free_schedule` (a regime whose runs take the schedule titan-plan
     picks), a pipeline and no schedule in `layout`: each schedule of that search space too (the default, 1F1B,
     first; Interleaved1F1B with each of those stages-per-rank values)."""
     settings = [{}] if "ac" in layout else [{"ac": ac} for ac in AC_ORDER if ac in (ac_choices or AC_ORDER)]
@@ -110,7 +114,8 @@ def ac_variants(layout: dict, *, world_size: int, global_batch: int, where: str 
     vs, schedules = [], []      # the space's stages-per-rank values that leave every stage a layer; its schedules
     if "stages_per_rank" not in layout and model is not None and workload is not None:
         space = load_space(default_space(model, workload))
-        vs = [v for v in space.knobs["stages_per_rank"] if first.pp * v <= model.n_layers]
+        vs = [v for v in sorted({*space.knobs["stages_per_rank"], *range(2, MAX_UNSTATED_V + 1)})
+              if first.pp * v <= model.n_layers]
         schedules = space.knobs["schedule"] if free_schedule else []
     scheds = [{}]
     if first.pp > 1 and "schedule" not in layout and "stages_per_rank" not in layout:

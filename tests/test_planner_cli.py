@@ -471,17 +471,18 @@ def test_estimate_schedule_names_as_papers_write_them(capsys):
 
 def test_estimate_interleaved_without_stages_per_rank_takes_the_spaces_best(capsys):
     """--schedule Interleaved1F1B without --stages-per-rank: each value of the search space titan-plan would
-    take (dense: 2 and 4) is estimated and the fastest that fits is taken and said; given, no choice."""
+    take (dense: 2 and 4) and each of 2..8 that leaves every stage a layer (126 layers at PP 16: up to 7) is
+    estimated and the fastest that fits is taken and said; given, no choice."""
     args = [*LLAMA3_405B_T4_LAST, "--ac", "full", "--no-reshard", "--schedule", "Interleaved1F1B"]
     chosen = _estimate_json(capsys, *args)
-    by_v = {v: _estimate_json(capsys, *args, "--stages-per-rank", str(v)) for v in (2, 4)}
+    by_v = {v: _estimate_json(capsys, *args, "--stages-per-rank", str(v)) for v in range(2, 8)}
     fits = {v: d for v, d in by_v.items() if d["predicted"]["headroom_gib"] >= 0}
     best = min(fits, key=lambda v: fits[v]["predicted"]["step_time_s"])
     assert by_v[2]["predicted"]["step_time_s"] != by_v[4]["predicted"]["step_time_s"]
     assert chosen["plan"]["stages_per_rank"] == best and chosen["predicted"] == by_v[best]["predicted"]
     assert chosen["knob_notes"] == [n for n in chosen["knob_notes"] if n.startswith(f"stages-per-rank not given: '{best}'")]
     assert len(chosen["knob_notes"]) == 1 and by_v[2]["knob_notes"] == []
-    # a pipeline too short for V 4 (PP 16 x 4 > 32 layers of llama3-8b) only tries what leaves a layer per stage
+    # a pipeline too short for V 3 (PP 16 x 3 > 32 layers of llama3-8b) only tries what leaves a layer per stage
     small = _estimate_json(capsys, "--model", "llama3-8b", "--gpus", "16", "--hardware", "h100-sxm", "--seq-len",
                            "2048", "--global-batch", "64", "--pp", "16", "--schedule", "Interleaved1F1B", "--ac",
                            "none", "--no-reshard")

@@ -67,31 +67,37 @@ def test_freed_sends_drop_the_interleaved_send_buffers_exactly():
         assert persistent[rank]["activations"][0] - freed_p[rank]["activations"][0] == sends + recv, rank
         for k in ("params", "grads", "optimizer", "fsdp_buffers", "logits", "overhead"):
             assert kept[rank][k][0] == freed[rank][k][0], (rank, k)
-    released = _mem(t, _wl(pp_sent_tensors="outputs_released"))
+    released = _mem(t, _wl(pp_sent_tensors="released"))
     assert _mem(t, _wl())["first"]["activations"][0] == released["first"]["activations"][0]   # auto, fsdp2
     for rank in kept:
         assert freed[rank]["activations"][0] < released[rank]["activations"][0] < kept[rank]["activations"][0]
 
 
-@pytest.mark.parametrize("schedule, first, last", [("Interleaved1F1B", 1, 2), ("ZBVZeroBubble", 1, 1),
-                                                   ("DualPipeV", 1, 1), ("1F1B", 0, 0)])
-def test_released_outputs_leave_the_sent_input_gradients_per_microbatch(schedule, first, last):
-    """titan-run (``pp_sent_tensors: outputs_released``, executor/parallel/pipeline.py): a sent stage output
-    is let go once its gradient is back, the sent input gradients are held to the step's end, so a rank's
-    peak grows by one residual tensor per micro-batch and stage that sends an input gradient: the first
-    pipeline rank of Interleaved1F1B pp 2 v 2 holds stages 0 and 2 (one sender), the last 1 and 3 (two);
-    the V schedules' hand-over keeps one local on each rank.  The same growth titan-run's profiled peak
-    shows (bench/bench_pp_recv_memory.py, 8 and 16 micro-batches: 1 / 2, 1 / 1, 1 / 1, 0 / 0); torch's
-    runtime as it is (``kept``) grows 3 / 3 and 2 / 2."""
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "1F1B"])
+def test_released_sends_do_not_grow_with_the_microbatch_count(schedule):
+    """titan-run (``pp_sent_tensors: released``, executor/parallel/pipeline.py): a sent stage output is let go
+    once its gradient is back, a sent input gradient once the schedule's program shows the peer has used it,
+    so a rank's peak no longer grows with the micro-batch count (titan-run's profiled peak at 8 and 16
+    micro-batches: 0 / 0 on every schedule, bench/bench_pp_recv_memory.py); a bounded set of input gradients
+    stays (`HELD_GRAD_SENDS`); torch's runtime as it is (``kept``) grows 3 / 3 and 2 / 2 a micro-batch."""
+    from cost_models.activations import HELD_GRAD_SENDS, HELD_GRAD_SENDS_ZBV
     v = 1 if schedule == "1F1B" else 2
     resid = 2.0 * DEBUG.dim * SEQ
-    grow = {}
-    for mode in ("outputs_released", "kept"):
+    grow, at16 = {}, {}
+    for mode in ("released", "kept", "freed"):
         lo, hi = (_mem(_table(schedule=schedule, stages_per_rank=v, n_microbatches=n), _wl(pp_sent_tensors=mode))
                   for n in (8, 16))
         grow[mode] = [(hi[r]["activations"][0] - lo[r]["activations"][0]) / 8 / resid for r in ("first", "last")]
-    assert grow["outputs_released"] == [first, last]
+        at16[mode] = [hi[r]["activations"][0] for r in ("first", "last")]
+    assert grow["released"] == [0, 0]
     assert grow["kept"] == {"Interleaved1F1B": [3, 3], "1F1B": [0, 0]}.get(schedule, [2, 2])
+    if schedule == "1F1B":
+        return
+    held = HELD_GRAD_SENDS_ZBV if schedule == "ZBVZeroBubble" else HELD_GRAD_SENDS
+    # on top of Megatron's freed sends: the in-flight stage outputs (`boundary`) and the held input gradients
+    for r in range(2):
+        extra = (at16["released"][r] - at16["freed"][r]) / resid
+        assert extra >= held and extra < held + 2 * v * 8, (r, extra)
 
 
 def test_freed_sends_drop_the_1f1b_stage_outputs_exactly():
@@ -172,10 +178,10 @@ def test_auto_resolution_and_one_line_errors():
     assert _wl(pp_grad_sync="last_microbatch").pp_defers_grad_sync and _wl("megatron").pp_defers_grad_sync
     assert _wl(pp_grad_sync="every_microbatch").pp_grad_sync_mode == "every_microbatch"
     assert not _wl(pp_grad_sync="every_microbatch").pp_defers_grad_sync
-    assert _wl().pp_sent_mode == "outputs_released" and _wl("megatron").pp_sent_mode == "freed"
+    assert _wl().pp_sent_mode == "released" and _wl("megatron").pp_sent_mode == "freed"
     assert not _wl().pp_keeps_sent_outputs and _wl(pp_sent_tensors="kept").pp_keeps_sent_outputs
     assert get_framework("torchtitan").workload["pp_sent_tensors"] == "kept"
-    with pytest.raises(SpecError, match="pp_sent_tensors.*auto, kept, outputs_released, freed; got 'dropped'"):
+    with pytest.raises(SpecError, match="pp_sent_tensors.*auto, kept, released, freed; got 'dropped'"):
         _wl(pp_sent_tensors="dropped")
     with pytest.raises(SpecError) as ei:
         _wl("megatron", pp_grad_sync="every_microbatch")
@@ -184,7 +190,7 @@ def test_auto_resolution_and_one_line_errors():
 
 
 def test_titan_run_refuses_what_it_does_not_run(tmp_path):
-    assert_titan_run_refuses(tmp_path, "pp_sent_tensors", "freed", ["auto", "outputs_released"])
+    assert_titan_run_refuses(tmp_path, "pp_sent_tensors", "freed", ["auto", "released"])
     assert_titan_run_refuses(tmp_path, "pp_sent_tensors", "kept", ["auto"])
     assert_titan_run_refuses(tmp_path, "pp_recv_buffers", "persistent", ["auto", "per_microbatch"])
     # titan-run runs every_microbatch on GPipe / 1F1B / Interleaved1F1B (tests/distributed/test_pp_grad_sync.py);

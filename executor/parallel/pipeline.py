@@ -75,6 +75,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from cost_models.layout import stage_layer_counts
 from executor.init import local_tensor
+from executor.parallel.pipeline_sends import grad_send_releases
 from executor.config import grad_sync_error
 from search_spaces.constraints import RUNTIME_RULES
 from search_spaces.plan import Plan
@@ -419,11 +420,28 @@ def _storage_key(t) -> int | None:
 
 
 class _SentOutputs:
-    """The isends of stage outputs of the current step, by the memory they send: a stage releases those of
-    a micro-batch once its backward has taken the micro-batch's output gradient (`_PerMicrobatchRecv`)."""
+    """The isends of the current step, by the memory they send.  A stage releases those of its output for a
+    micro-batch once its backward has taken the micro-batch's output gradient, and an input gradient it
+    sent at the consuming compute action `release_at` names for it (`pipeline_sends.grad_send_releases`,
+    read off the schedule's program; `_PerMicrobatchRecv`)."""
 
     def __init__(self):
         self.held: dict[int, list[_HeldSend]] = {}
+        self.release_at: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        self.grads: dict[tuple[int, int], list[int]] = {}     # (stage, micro-batch) -> storage keys sent
+
+    def mark_grads(self, stage: int, mb: int, tensors) -> None:
+        keys = [k for k in map(_storage_key, tensors) if k is not None]
+        if keys and self.release_at:
+            self.grads[(stage, mb)] = keys
+
+    def consumed(self, kind: str, stage: int, mb: int) -> None:
+        """The compute action (kind F or B) of (stage, mb) has taken its received tensor: the gradient sends
+        the schedule's program says have completed by now are waited and dropped."""
+        for sent in self.release_at.get((kind, stage, mb), ()):
+            for key in self.grads.pop(sent, ()):
+                for send in self.held.pop(key, ()):
+                    send.release()
 
     def add(self, tensor: torch.Tensor, sends: list[_HeldSend]) -> None:
         key = _storage_key(tensor)
@@ -471,6 +489,7 @@ def _releasing_sent_outputs(sent: _SentOutputs):
     finally:
         schedules._batch_p2p = orig
         sent.held.clear()
+        sent.grads.clear()
 
 
 class _PerMicrobatchRecv:
@@ -509,6 +528,7 @@ class _PerMicrobatchRecv:
         _refill_recv(infos, zero=False)
         out = super()._retrieve_recv_activations(fwd_chunk_id, *args, **kwargs)
         _release_recv(infos)
+        self._consumed("F", fwd_chunk_id)
         return out
 
     def _retrieve_recv_grads(self, bwd_chunk_id, *args, **kwargs):
@@ -516,7 +536,20 @@ class _PerMicrobatchRecv:
         _refill_recv(infos, zero=True)      # a same-rank hand-over of a None gradient: zeros, as torch's
         out = super()._retrieve_recv_grads(bwd_chunk_id, *args, **kwargs)
         _release_recv(infos)
+        self._consumed("B", bwd_chunk_id)
         return out
+
+    def _consumed(self, kind: str, chunk_id: int) -> None:
+        sent = getattr(self, "_titan_sent", None)
+        if sent is not None:
+            sent.consumed(kind, self.stage_index, chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id, *args, **kwargs):
+        ops = super().get_bwd_send_ops(bwd_chunk_id, *args, **kwargs)
+        sent = getattr(self, "_titan_sent", None)
+        if sent is not None:
+            sent.mark_grads(self.stage_index, bwd_chunk_id, [op.tensor for op in ops])
+        return ops
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, **kwargs):
         cached = self.fwd_cache.get(bwd_chunk_id)
@@ -634,6 +667,10 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
         pstages[-1]._titan_sent = sent
     if plan.is_multi_stage:
         schedule = cls(pstages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        order = getattr(schedule, "pipeline_order_with_comms", None)
+        if order:   # (torch's runtime programs; where absent, the sent gradients are held to the step's end)
+            ranks = schedule.stage_index_to_group_rank
+            sent.release_at = grad_send_releases(order, ranks.__getitem__, schedule.rank)
     else:
         if len(pstages) != 1:
             raise ValueError(f"schedule {plan.schedule} runs one stage per rank, got {len(pstages)}")
