@@ -6,7 +6,8 @@ the row states, the recipe behind it.  `tests/test_reference_cli.py` checks that
 `titan-plan estimate` given every one of those keys as a flag.  This asks each scored row with the minimal
 question instead: the model and hardware (the row's, its stated NICs included), the GPUs, sequence and global
 batch, the parallel degrees, and of the rest only what the row itself states -- the micro-batch, the recompute,
-float8, an interleaved or DualPipe schedule and its chunks, compile, FSDP's sharding strategy -- plus
+float8, an interleaved or DualPipe schedule and its chunks, compile, FSDP's sharding strategy, a MoE token
+dispatcher (DeepEP / flex: ``--ep-dispatch per_node``; alltoall: ``every_copy``) -- plus
 ``--framework`` with the row's stack.  Everything else (kernels, overlaps, gradient dtype, pipeline memory keys,
 the recipe's facts; and a recompute, schedule or resharding the row leaves out) is what the CLI and the regime
 fill in.  It prints the throughput median / worst APE against the measurements, the fit verdicts, how far each
@@ -74,6 +75,10 @@ def stated_workload(case, row) -> list[str]:
         keys.append("tp_comm_overlap")                   # the row's async TP
     for k in dict.fromkeys(keys):
         argv += vr.workload_flag(k, getattr(wl, k))
+    dispatcher = str(par.get("token_dispatcher") or "").lower()     # the row's own Dispatcher column
+    if dispatcher:
+        once = any(w in dispatcher for w in ("deepep", "hybridep", "flex"))
+        argv += vr.workload_flag("ep_dispatch", "per_node" if once else "every_copy")
     return argv
 
 
