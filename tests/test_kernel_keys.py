@@ -25,7 +25,8 @@ L405 = load_model("llama3-405b")
 PLAN = Plan(tp=8, pp=16, dp_shard=128, microbatch=1, n_microbatches=16, schedule="Interleaved1F1B",
             stages_per_rank=2, ac="none", runnable=False)
 ESTIMATE = ["estimate", "--model", "llama3-405b", "--gpus", "16384", "--hardware", "h100-sxm", "--seq-len", "8192",
-            "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B", "--ac", "none",
+            "--global-batch", "2048", "--tp", "8", "--pp", "16", "--schedule", "Interleaved1F1B", "--stages-per-rank", "2",
+            "--ac", "none", "--reshard", "--tp-activations", "gathered",
             "--pp-grad-sync", "last_microbatch", "--json"]
 
 
@@ -51,7 +52,7 @@ def test_each_key_removes_what_it_names_on_the_405b_layout():
     assert both == pytest.approx(gqa + swiglu, rel=1e-9)
     # the megatron layout's defaults are these two kernels too: stating the expanded, eager ones restores the
     # fsdp2 figure of the same terms (the layout's other regimes -- TP shards, Megatron's loss -- are held fixed)
-    meg = dict(state_layout="megatron", zero=1, tp_activations="gathered", pp_sent_tensors="kept", loss_impl="eager",
+    meg = dict(state_layout="megatron", zero=1, tp_activations="gathered", pp_sent_tensors="released", loss_impl="eager",
                moe_weighting="combine", grad_accum="autograd")
     assert _activations(**meg) == pytest.approx(base - gqa - swiglu, rel=1e-9)
     assert _activations(**meg, gqa_kv="expanded", swiglu_impl="eager") == pytest.approx(base, rel=1e-9)
