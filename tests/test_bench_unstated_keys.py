@@ -11,6 +11,7 @@ from tests.cost_model_helpers import load_bench
 bench = load_bench("bench_unstated_keys")
 
 
+@pytest.mark.slow      # (~20 s; tests/test_reference_cli.py checks the CLI against the validator in CI)
 def test_all_keys_kept_is_the_validation_itself():
     r = bench.score("extra", tuple(Workload.__dataclass_fields__))
     assert r["full"] == r["cut"] and r["fit"][0] == r["fit"][1] and not r["differ"]

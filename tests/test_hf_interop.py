@@ -270,7 +270,8 @@ def test_titan_plan_plans_for_an_hf_folder(tmp_path):
     assert yaml.safe_load(out.read_text())["model"] == f"hf:{tmp_path / 'hf'}"
 
 
-@pytest.mark.parametrize("layout", ["plan.dp_shard=2", "plan.pp=2"])
+@pytest.mark.parametrize("layout", [pytest.param("plan.dp_shard=2", marks=pytest.mark.slow),   # (pp=2 in CI)
+                                    "plan.pp=2"])
 def test_training_resumes_from_imported_hf_weights(tmp_path, layout):
     """import --hf -> titan-run --resume on 2 FSDP ranks, or 2 pipeline stages whose last holds a copy of the
     embedding (tied embeddings): the trained weights are the imported ones plus one small optimizer step, not a
