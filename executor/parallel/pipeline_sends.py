@@ -11,8 +11,8 @@ completed; the first message ``p`` sends to ``r`` after that backward leaves ``p
 completed (on gloo the receiver holds its bytes; on NCCL the wait is only a stream dependency), and its
 wait returns at once.  Sends with no later message back (the cool-down's last ones) stay to the step's end.
 
-Read off torch 2.14's Interleaved1F1B, ZBVZeroBubble and DualPipeV programs (pp 2-16, v 2-8, 1-4 micro-batches
-per rank): at the point where a rank holds the most forward activations, at most two such gradients are
+Read off torch 2.14's Interleaved1F1B, ZBVZeroBubble and DualPipeV programs (pp 2-16, v 2-8, 2 and 4 micro-batches
+per pipeline rank: tests/test_pipeline_sends.py): at the point where a rank holds the most forward activations, at most two such gradients are
 still held (three on some ZBVZeroBubble ranks), whatever the micro-batch count, where torch holds every one
 sent so far; the cost model's ``pipeline_extra_bytes`` charges that bound (``HELD_GRAD_SENDS``).
 """
