@@ -28,7 +28,7 @@ from search_spaces.typed import InputError, OneLineArgumentParser
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
 from .elastic import launcher_world, load_elastic_config
 from .faults import EXIT_PEER_FAILED, expected_failure, peer_failure, print_once
-from .launch import die_with_parent, import_torch_quietly, is_worker, run_torchrun, single_process_env
+from .launch import die_with_parent, is_worker, launch_workers, local_gpu_count, single_process_env
 
 # This module is the launcher: `titan-run --help` and bad-input errors must not pay for importing
 # torch (seconds).  So the modules that import torch (self_test, checkpoint_files, mesh, train,
@@ -118,9 +118,7 @@ def load_config(args, world_size: int):
 
 # --------------------------------------------------------------------------- launcher side
 def launcher_main(args, argv: list[str]) -> int:
-    import_torch_quietly()   # this process may become torchrun's agent (launch.run_torchrun)
-    import torch  # torch: launcher path (not needed by --help and argument errors)
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n_gpu = local_gpu_count()   # imports torch on a GPU host only (launch.py)
     nproc = args.nproc or (n_gpu if n_gpu else cpu_default_nproc(args))
     if n_gpu and nproc > n_gpu:
         return fail(f"--nproc-per-node {nproc} is more than the {n_gpu} GPUs of this node")
@@ -138,8 +136,8 @@ def launcher_main(args, argv: list[str]) -> int:
     if nproc == 1 and not (args.max_restarts or args.nnodes or args.rdzv_endpoint):
         single_process_env()
         return worker_main(parse_args(child_args))
-    rc = run_torchrun(nproc, child_args, max_restarts=args.max_restarts, nnodes=args.nnodes,
-                      rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    rc = launch_workers(nproc, child_args, max_restarts=args.max_restarts, nnodes=args.nnodes,
+                        rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
     if rc != 0 and not args.self_test:
         write_failure_summary(run_dir, rc)
     return rc

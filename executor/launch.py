@@ -1,19 +1,22 @@
-"""Starting the worker processes: torchrun for one node, or an existing launcher.
+"""Starting the worker processes of one node, through torchrun where a run is elastic or multi-node.
 
-``titan-run`` started by hand runs torchrun's agent in titan-run's own process (``torchrun
---standalone --nproc-per-node N -m executor.cli <same arguments>``, wrapped by
-:func:`torchrun_main`; ``python -m executor.launch torchrun ...`` runs the same wrapper on
-its own).  torchrun stops every
-worker when one fails and exits non-zero, so a failing rank never leaves the others
-hanging (each process group also has a timeout).
+``titan-run`` started by hand on one node without restarts starts its N workers itself
+(:func:`run_local`: ``python -m executor.cli <same arguments>`` with the environment
+``torchrun --standalone`` gives them); with ``--max-restarts``, ``--nnodes`` or a
+rendezvous endpoint it runs torchrun's agent in titan-run's own process (``torchrun
+--nproc-per-node N -m executor.cli <same arguments>``, wrapped by :func:`torchrun_main`;
+``python -m executor.launch torchrun ...`` runs the same wrapper on its own).  Either way
+every worker is stopped when one fails and the run exits non-zero, so a failing rank
+never leaves the others hanging (each process group also has a timeout), and on a host
+without a GPU the launcher of a non-elastic run never imports torch (:func:`local_gpu_count`).
 
 Every worker dies with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
-:func:`die_with_parent`): titan-run (the agent) -> workers (torchrun puts each worker in
-its own session, so a process-group kill does not reach them).  A killed ``titan-plan``
-or ``titan-run`` leaves nothing running.
+:func:`die_with_parent`): titan-run (the launcher or agent) -> workers (each in its own
+session, so a process-group kill does not reach them).  A killed ``titan-plan`` or
+``titan-run`` leaves nothing running.
 
 Failures end in one line: workers that exit with the bad-input code (2) have printed
-their one line already (rank 0, :mod:`executor.faults`), so the wrapper exits 2 without
+their one line already (rank 0, :mod:`executor.faults`), so the launcher exits 2 without
 torchrun's error dump; any other failure is one line naming the first failed rank and
 its exit code or signal.  A multi-node rendezvous waits at most ``RDZV_JOIN_TIMEOUT_S``
 (``TITAN_RUN_RDZV_TIMEOUT_S``) for the other nodes, then says what it waited for.  Started by torchrun (``RANK``/``WORLD_SIZE`` set) or by ``srun``
@@ -22,13 +25,16 @@ exported by the job script), the process is a worker itself.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from search_spaces.lifetime import die_with_parent
@@ -110,6 +116,128 @@ def run_torchrun(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnod
                 signal.signal(sig, handler)
 
 
+LOCAL_STOP_GRACE_S = 30.0        # SIGTERM -> SIGKILL for the workers still running when the run stops (torchrun's)
+_POLL_S = 0.05
+
+
+class _Stopped(Exception):
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.sig = sig
+
+
+def launch_workers(nproc: int, cli_args: list[str], *, max_restarts: int = 0, nnodes: str | None = None,
+                   rdzv_backend: str | None = None, rdzv_endpoint: str | None = None,
+                   rdzv_id: str | None = None) -> int:
+    """Run `executor.cli` with `cli_args` in `nproc` worker processes: one node without restarts starts them
+    itself (`run_local`: no torchrun agent, so the launcher never imports torch on a host without a GPU); elastic
+    or multi-node runs go through torchrun (`run_torchrun`)."""
+    if max_restarts or nnodes or rdzv_endpoint:
+        return run_torchrun(nproc, cli_args, max_restarts=max_restarts, nnodes=nnodes, rdzv_backend=rdzv_backend,
+                            rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    return run_local(nproc, cli_args)
+
+
+def local_worker_env(nproc: int, port: int) -> dict:
+    """The environment torchrun --standalone gives every worker of one node (rank keys added per worker); the
+    store is rank 0's own (no agent store)."""
+    env = child_env()
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"):
+        env.pop(k, None)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+                "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": f"titan-run-{os.getpid()}"})
+    return env
+
+
+def run_local(nproc: int, cli_args: list[str]) -> int:
+    """`executor.cli` with `cli_args` in `nproc` workers of this node, started and watched by this process as
+    torchrun's agent would: each in its own session (a terminal's Ctrl-C reaches the launcher only), dying with
+    it; the first worker that exits non-zero stops the others (SIGTERM, SIGKILL after LOCAL_STOP_GRACE_S); a
+    SIGTERM / SIGINT / SIGHUP / SIGQUIT to the launcher stops them all.  Ends as `torchrun_main` does: 0, 2 when
+    the first failed rank exited with the bad-input code (it printed the one line), else one line
+    (`failure_line`) and 1; 128 + the signal when stopped."""
+    env = local_worker_env(nproc, free_port())
+    cmd = [sys.executable, "-m", "executor.cli", *cli_args]
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {s: signal.getsignal(s) for s in stops}
+
+    def stop(sig, _frame):
+        raise _Stopped(sig)
+
+    procs: list[subprocess.Popen] = []
+    try:
+        for s in stops:
+            signal.signal(s, stop)
+        for rank in range(nproc):
+            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                    "ROLE_RANK": str(rank)}, start_new_session=True))
+        failures = _watch(procs)
+    except (_Stopped, KeyboardInterrupt) as e:
+        sig = e.sig if isinstance(e, _Stopped) else signal.SIGINT
+        _stop_workers(procs)
+        print(f"titan-run: stopped by {signal.Signals(sig).name}; the workers were stopped", file=sys.stderr,
+              flush=True)
+        return 128 + int(sig)
+    finally:
+        _stop_workers(procs)
+        for s, handler in handlers.items():
+            if handler is not None:
+                signal.signal(s, handler)
+        clear_error_markers(os.getpid())
+    if not failures:
+        return 0
+    first = min(failures, key=lambda r: (failures[r][3], r))
+    if failures[first][0] == EXIT_BAD_INPUT:
+        return EXIT_BAD_INPUT                        # the first failed rank printed the one line
+    print(failure_line(failures, nproc), file=sys.stderr, flush=True)
+    return 1
+
+
+def _watch(procs: list) -> dict[int, tuple]:
+    """Wait until every worker exited 0 (-> {}) or one did not: the workers that failed by then,
+    ``{rank: (exit code, local rank, pid, when)}`` (the rest are stopped by the caller)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        now = time.time()
+        failed = {r: (c, r, procs[r].pid, now) for r, c in enumerate(codes) if c not in (None, 0)}
+        if failed:
+            return failed
+        if all(c == 0 for c in codes):
+            return {}
+        time.sleep(_POLL_S)
+
+
+def _stop_workers(procs: list) -> None:
+    """SIGTERM to every worker still running, SIGKILL to those alive LOCAL_STOP_GRACE_S later; all reaped."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + LOCAL_STOP_GRACE_S
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# device nodes of a GPU driver torch.cuda can use (NVIDIA, AMD ROCm, WSL2's CUDA); without any, no GPU is visible
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def local_gpu_count() -> int:
+    """The GPUs torch.cuda sees on this node; on a host without a GPU driver's device node, 0 without importing
+    torch (the launcher of a CPU run then never loads it: seconds a run)."""
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return 0
+    import_torch_quietly()
+    import torch  # torch: launcher path (a GPU host)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def import_torch_quietly() -> None:
     """Import torch with c10's log level at ERROR in this process only: the elastic agent's C++ store warnings
     (a vanished peer's socket) stay off.  c10 reads the level once, when torch loads; the environment is put
@@ -139,18 +267,22 @@ def rdzv_timeout_s() -> float:
 
 
 def _failure_line(e, world: int | None) -> str:
-    """One line for torchrun's ChildFailedError: the rank that failed first on its own (not one that only lost
-    a peer, exit EXIT_PEER_FAILED), its exit code or signal; if every failed rank only lost a peer, the ranks
-    that never failed are the suspects (stopped or hung)."""
-    causes = {r: f for r, f in e.failures.items() if f.exitcode != EXIT_PEER_FAILED}
+    """One line for torchrun's ChildFailedError (`failure_line` of its failures)."""
+    return failure_line({r: (f.exitcode, f.local_rank, f.pid, f.timestamp) for r, f in e.failures.items()}, world)
+
+
+def failure_line(failures: dict[int, tuple], world: int | None) -> str:
+    """One line for failed workers, ``{rank: (exit code, local rank, pid, when)}``: the rank that failed first on
+    its own (not one that only lost a peer, exit EXIT_PEER_FAILED), its exit code or signal; if every failed rank
+    only lost a peer, the ranks that never failed are the suspects (stopped or hung)."""
+    causes = {r: f for r, f in failures.items() if f[0] != EXIT_PEER_FAILED}
     if causes:
-        rank, f = min(causes.items(), key=lambda kv: kv[1].timestamp)
-        code = f.exitcode
+        rank, (code, local_rank, pid, _) = min(causes.items(), key=lambda kv: (kv[1][3], kv[0]))
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        return (f"titan-run: error: rank {rank} (local rank {f.local_rank}, pid {f.pid}) {how}; "
-                f"{len(e.failures)} rank(s) of this node failed")
-    rank, f = e.get_first_failure()
-    silent = sorted(set(range(world)) - set(e.failures)) if world else []
+        return (f"titan-run: error: rank {rank} (local rank {local_rank}, pid {pid}) {how}; "
+                f"{len(failures)} rank(s) of this node failed")
+    rank = min(failures, key=lambda r: (failures[r][3], r))
+    silent = sorted(set(range(world)) - set(failures)) if world else []
     who = f"rank(s) {', '.join(map(str, silent))} (stopped or hung?)" if silent else "a rank of another node"
     return (f"titan-run: error: rank {rank} gave up waiting in a collective for {who}: the process-group timeout "
             "(train.pg_timeout_s) ran out or the peer vanished")

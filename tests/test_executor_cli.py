@@ -319,6 +319,7 @@ def test_failing_rank_fails_the_run_without_hanging(tmp_path):
     p = run(["--plan", f, "--run-dir", str(tmp_path / "run")], timeout=180, extra_env={"TITAN_RUN_FAULT": "1:2"})
     assert p.returncode != 0
     assert "[rank 1] RuntimeError: injected fault" in p.stderr
+    assert "titan-run: error: rank 1 (local rank 1, pid " in p.stderr and "exited with code 1" in p.stderr, p.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "error"
 
