@@ -163,8 +163,12 @@ def run_local(nproc: int, cli_args: list[str]) -> int:
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     handlers = {s: signal.getsignal(s) for s in stops}
 
+    stopping: list[int] = []          # once the workers are being stopped, a further signal changes nothing
+
     def stop(sig, _frame):
-        raise _Stopped(sig)
+        if not stopping:
+            stopping.append(sig)
+            raise _Stopped(sig)
 
     procs: list[subprocess.Popen] = []
     try:
@@ -176,11 +180,13 @@ def run_local(nproc: int, cli_args: list[str]) -> int:
         failures = _watch(procs)
     except (_Stopped, KeyboardInterrupt) as e:
         sig = e.sig if isinstance(e, _Stopped) else signal.SIGINT
+        stopping.append(sig)
         _stop_workers(procs)
         print(f"titan-run: stopped by {signal.Signals(sig).name}; the workers were stopped", file=sys.stderr,
               flush=True)
         return 128 + int(sig)
     finally:
+        stopping.append(0)
         _stop_workers(procs)
         for s, handler in handlers.items():
             if handler is not None:
