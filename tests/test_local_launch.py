@@ -16,15 +16,8 @@ import yaml
 from executor import launch
 from executor.faults import EXIT_PEER_FAILED
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env() -> dict:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    return e
+from tests.distributed.harness import ROOT
+from tests.distributed.harness import env as _env
 
 
 def test_failure_line_blames_the_first_rank_that_failed_on_its_own():
