@@ -57,9 +57,38 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
     """
     facts = facts or layout_facts(table, model, **workload.layout_keys)   # (`facts`: computed once per layout, broadcast)
     if workload.state_layout == "fsdp2":
-        dp, opt = _fsdp2_data_parallel(table, coeffs, links, r, st, facts, workload.pp_defers_grad_sync)
+        win = overlap_windows(table, links, st, facts["nblocks"], links["fsdp"].intra)
+        dp, opt = _fsdp2_data_parallel(table, coeffs, links, r, win, facts, workload.pp_defers_grad_sync)
         return dp + _moe_tp_grad_sum(table, model, workload, links, facts), opt
-    return _megatron_data_parallel(table, model, hw, workload, coeffs, st, facts["rp"])
+    dp_intra = group_link(table.dp_cp.astype(np.float64), table.tp, hw, coeffs).intra
+    win = overlap_windows(table, links, st, facts["nblocks"], dp_intra)
+    return _megatron_data_parallel(table, model, hw, workload, coeffs, win, facts["rp"])
+
+
+# collectives that run on the compute stream, synchronously, inside a block (step_time's exposed tp_f / tp_b and
+# cp_f / cp_b); the EP all-to-alls are left out (they cross the network whenever EP spans nodes, and inside a node
+# the expert weights' own data-parallel group is another link again)
+WINDOW_AXES = ("tp", "cp")
+
+
+def overlap_windows(table, links, st, nblocks, dp_intra) -> dict:
+    """The windows the data-parallel collectives hide under: a block's forward (``blockF``) and backward
+    (``blockBW``), and a micro-batch's forward (``F``) and backward (``B`` + ``W``), each the compute of `st` plus
+    the TP and CP collectives the compute stream waits on (`WINDOW_AXES`) where those stay inside a node and the
+    data-parallel group crosses nodes (`dp_intra`: the DP group inside one node or not).  The DP collectives run on their own
+    stream (FSDP2's all-gather and reduce-scatter streams; Megatron's overlapped buckets), so while a block waits
+    on its tensor-parallel all-gather over NVLink the reduce-scatter of another block's gradients keeps the
+    network busy: that time hides DP traffic as compute does.  Where both can share a link (DP inside the node, or
+    TP across nodes) the wait is not counted.  No coefficient: the windows are the model's own exposed times."""
+    nb = np.maximum(np.asarray(nblocks, dtype=np.float64), 1.0)
+    xf = xb = 0.0
+    for ax in WINDOW_AXES:
+        other = links[ax].intra & ~np.asarray(dp_intra, dtype=bool) & (getattr(table, ax) > 1)
+        xf = xf + np.where(other, st[f"{ax}_f"], 0.0)
+        xb = xb + np.where(other, st[f"{ax}_b"], 0.0)
+    out = dict(st)
+    out.update(blockF=st["blockF"] + xf / nb, blockBW=st["blockBW"] + xb / nb, F=st["F"] + xf, B=st["B"] + xb)
+    return out
 
 
 # titan-run sums the MoE gradients over TP in buckets of at most this many bytes (executor/moe_step.py

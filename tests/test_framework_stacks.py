@@ -65,7 +65,8 @@ def test_each_stack_states_its_sources():
 def test_llama3_meta_kernels_are_what_lets_the_16k_gpu_layout_fit():
     """The regime's inferred kernels (fused norm and SwiGLU, GQA-native attention: docs/memory_audit.md) are
     what makes the Llama 3 405B 8K layout on 16,384 GPUs, which trained without recompute, fit; with PyTorch's
-    eager kernels on the same row it needs ~116 GiB; the throughput does not depend on them."""
+    eager kernels on the same row it needs ~116 GiB; the throughput hardly depends on them (under 1%: the fused FFN
+    makes its product again in backward, eager kernels keep it)."""
     import dataclasses
     cases, _ = vr.build_cases(vr.load_set("extra"))
     case = next(c for c in cases if c.id == "llama3paper_t4_405B_16384gpu_seq8k")
@@ -75,4 +76,4 @@ def test_llama3_meta_kernels_are_what_lets_the_16k_gpu_layout_fit():
         case.workload, norm_impl="eager", swiglu_impl="eager", gqa_kv="expanded")))
     assert lean["fits"] and lean["device_peak_gib"] <= lean["capacity_gib"]
     assert not eager["fits"] and eager["device_peak_gib"] > 110
-    assert eager["tokens_per_s_per_gpu"] == pytest.approx(lean["tokens_per_s_per_gpu"], rel=1e-3)
+    assert eager["tokens_per_s_per_gpu"] == pytest.approx(lean["tokens_per_s_per_gpu"], rel=1e-2)

@@ -45,9 +45,11 @@ def test_each_value_is_the_overlap_coefficient_it_names():
         # an explicit value wins over a calibration's coefficient; auto keeps the coefficient
         assert _time(_wl(**{key: "none"}), Coefficients().replace(**{coeff: 1.0})) == none, key
         assert _time(_wl(), Coefficients().replace(**{coeff: 0.5}))[part] != none[part], key
-    # only the named part moves, and the pipeline bubble made of the stage times that hold it
+    # only the named part moves, the pipeline bubble made of the stage times that hold it, and the data-parallel
+    # traffic that the exposed TP waits hid (TP inside the node, DP across nodes: data_parallel.overlap_windows)
     a, b = _time(_wl(tp_comm_overlap="none")), _time(_wl(tp_comm_overlap="full"))
-    assert {k for k in a if not np.isclose(a[k], b[k])} == {"tp_comm", "pp_bubble"}, (a, b)
+    assert {k for k in a if not np.isclose(a[k], b[k])} == {"tp_comm", "pp_bubble", "dp_comm"}, (a, b)
+    assert b["dp_comm"] > a["dp_comm"] and b["tp_comm"] + b["dp_comm"] < a["tp_comm"] + a["dp_comm"], (a, b)
 
 
 def test_bad_values_are_refused_in_one_line():

@@ -84,6 +84,37 @@ def test_backward_window_hides_the_sum_of_its_collectives_not_each_alone():
     assert on[0] - off[0] == pytest.approx((model.n_layers - 1) * (ag + rs - window), rel=1e-6)
 
 
+def test_tp_waits_inside_the_node_hide_data_parallel_traffic_across_nodes():
+    """The DP collectives run on their own stream: while a block waits on its TP collectives over NVLink, another
+    block's gradients keep the network busy, so those waits widen the window the DP traffic hides under -- where TP
+    stays inside the node and the DP group crosses nodes, and only there (data_parallel.overlap_windows)."""
+    from cost_models.data_parallel import overlap_windows
+    model, hw = load_model("llama3-70b"), load_hardware("h100-sxm")
+    wl, coeffs = Workload(seq_len=8192, global_batch=64, tp_comm_overlap="none"), Coefficients()
+    t = CandidateTable.from_plans([Plan(tp=8, dp_shard=64, microbatch=1, n_microbatches=1),      # DP across nodes
+                                   Plan(tp=2, dp_shard=4, microbatch=1, n_microbatches=16)])    # all in one node
+    r, links, st = _parts(t, model, hw, wl, coeffs)
+    assert links["tp"].intra.all() and list(links["fsdp"].intra) == [False, True]
+    assert (st["tp_f"] > 0).all() and (st["tp_b"] > 0).all()
+    nb = np.array([model.n_layers] * 2, dtype=float)
+    win = overlap_windows(t, links, st, nb, links["fsdp"].intra)
+    assert win["blockF"][0] == pytest.approx(st["blockF"][0] + st["tp_f"][0] / model.n_layers)
+    assert win["blockBW"][0] == pytest.approx(st["blockBW"][0] + st["tp_b"][0] / model.n_layers)
+    assert win["F"][0] == pytest.approx(st["F"][0] + st["tp_f"][0]) and win["B"][0] == pytest.approx(
+        st["B"][0] + st["tp_b"][0])
+    for k in ("blockF", "blockBW", "F", "B", "W"):         # DP on NVLink as TP is: the waits hide nothing
+        assert win[k][1] == st[k][1], k
+    # end to end: exposing the TP collectives (overlap off -> on) can only shrink the DP window across nodes
+    one = CandidateTable.from_plans([Plan(tp=8, dp_shard=64, microbatch=1, n_microbatches=1)])
+    slow_net = dataclasses.replace(hw, inter_node_bw_gbs=5.0, nic_gbps=None, gpus_per_nic=None)
+    dp, tp = {}, {}
+    for ov in (0.0, 1.0):                                  # the tp_overlap that tp_comm_overlap none / full give
+        c = Coefficients(tp_overlap=ov)
+        r, links, st = _parts(one, model, slow_net, wl, c)
+        dp[ov], tp[ov] = S.data_parallel(one, model, slow_net, wl, c, links, r, st)[0][0], st["tp_f"][0]
+    assert tp[1.0] < tp[0.0] and dp[0.0] < dp[1.0], (tp, dp)
+
+
 def test_nic_fields_decide_the_per_gpu_network_bandwidth():
     from cost_models.specs import SpecError, hardware_from_dict
     base = dict(name="x", device="cuda", peak_tflops_bf16=300.0, peak_tflops_fp32=20.0)
