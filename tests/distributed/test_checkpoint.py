@@ -291,6 +291,8 @@ def test_tied_model_resumes_from_fsdp_onto_tensor_parallel_and_exports_tied(tmp_
     assert "model.embed_tokens.weight" in t and "lm_head.weight" not in t
 
 
+@pytest.mark.slow      # ~70 s (four runs); in CI: tied stages (test_tied_pipeline), tied resume onto TP (above),
+#                        resume across pipeline splits (test_pipeline_2_to_pipeline_1)
 def test_tied_model_resumes_across_pipeline_splits(tmp_path):
     """A tied model split over 2 pipeline stages (the last holds a copy of the embedding as its head) saves both
     copies; it resumes onto one stage (FSDP 2) and a one-stage checkpoint resumes onto 2 stages, the loss
