@@ -60,9 +60,9 @@ def data_parallel(table, model, hw, workload, coeffs, links, r: Rates, st,
         win = overlap_windows(table, links, st, facts["nblocks"], links["fsdp"].intra)
         dp, opt = _fsdp2_data_parallel(table, coeffs, links, r, win, facts, workload.pp_defers_grad_sync)
         return dp + _moe_tp_grad_sum(table, model, workload, links, facts), opt
-    dp_intra = group_link(table.dp_cp.astype(np.float64), table.tp, hw, coeffs).intra
-    win = overlap_windows(table, links, st, facts["nblocks"], dp_intra)
-    return _megatron_data_parallel(table, model, hw, workload, coeffs, win, facts["rp"])
+    dp_link = group_link(table.dp_cp.astype(np.float64), table.tp, hw, coeffs)
+    win = overlap_windows(table, links, st, facts["nblocks"], dp_link.intra)
+    return _megatron_data_parallel(table, model, workload, coeffs, win, facts["rp"], dp_link)
 
 
 # collectives that run on the compute stream, synchronously, inside a block (step_time's exposed tp_f / tp_b and
@@ -75,10 +75,10 @@ def overlap_windows(table, links, st, nblocks, dp_intra) -> dict:
     """The windows the data-parallel collectives hide under: a block's forward (``blockF``) and backward
     (``blockBW``), and a micro-batch's forward (``F``) and backward (``B`` + ``W``), each the compute of `st` plus
     the TP and CP collectives the compute stream waits on (`WINDOW_AXES`) where those stay inside a node and the
-    data-parallel group crosses nodes (`dp_intra`: the DP group inside one node or not).  The DP collectives run on their own
-    stream (FSDP2's all-gather and reduce-scatter streams; Megatron's overlapped buckets), so while a block waits
-    on its tensor-parallel all-gather over NVLink the reduce-scatter of another block's gradients keeps the
-    network busy: that time hides DP traffic as compute does.  Where both can share a link (DP inside the node, or
+    data-parallel group crosses nodes (`dp_intra`: the DP group inside one node or not).  The DP collectives run on
+    their own stream (FSDP2's all-gather and reduce-scatter streams; Megatron's overlapped buckets), so while a
+    block waits on its tensor-parallel all-gather over NVLink the reduce-scatter of another block's gradients keeps
+    the network busy: that time hides DP traffic as compute does.  Where both can share a link (DP inside the node, or
     TP across nodes) the wait is not counted.  No coefficient: the windows are the model's own exposed times."""
     nb = np.maximum(np.asarray(nblocks, dtype=np.float64), 1.0)
     xf = xb = 0.0
@@ -274,7 +274,7 @@ def _megatron_tail_params(table, model, rp) -> np.ndarray:
     return megatron_last_bucket(megatron_bucket_params(dp), np.maximum(head, 0.0), block, chunk0, emb)
 
 
-def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple[np.ndarray, np.ndarray]:
+def _megatron_data_parallel(table, model, workload, coeffs, st, rp, link) -> tuple[np.ndarray, np.ndarray]:
     """`data_parallel` for the Megatron layout (distributed optimizer, or an all-reduce at zero 0).
 
     Overlapped (dp_overlap > 0: --overlap-grad-reduce / --overlap-param-gather), the buckets' collectives
@@ -284,7 +284,6 @@ def _megatron_data_parallel(table, model, hw, workload, coeffs, st, rp) -> tuple
     least that one bucket (`megatron_last_bucket`)."""
     ov = coeffs.dp_overlap
     dpn = table.dp_cp.astype(np.float64)
-    link = group_link(dpn, table.tp, hw, coeffs)
     local = rp["last_dense"] + rp["last_expert"]
     g = workload.grad_elem_bytes                  # fp32 main gradients, or bf16 (grad_dtype)
     tail = np.minimum(_megatron_tail_params(table, model, rp), local)
