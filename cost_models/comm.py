@@ -43,6 +43,11 @@ import numpy as np
 
 from search_spaces.plan import MESH_AXES as AXIS_ORDER  # innermost last: TorchTitan's ParallelDims mesh order
 
+from .layout import representatives
+
+# the table columns a candidate's groups and their links depend on: the mesh degrees
+MESH_COLUMNS = tuple(dict.fromkeys(AXIS_ORDER + ("ep",)))
+
 
 # --------------------------------------------------------------------------- collectives
 def ring_gather_time(p, nbytes, bw, alpha):
@@ -144,7 +149,32 @@ def group_link(degree, stride, hw, coeffs) -> Link:
                 tree_latency=tree_latency.astype(np.float64))
 
 
+class LinkAt:
+    """A `Link` computed for a table's representative candidates (one per mesh), read at every candidate: each
+    field is gathered on first use (a term reads two or three of the seven)."""
+
+    __slots__ = ("_link", "_inverse", "_fields")
+
+    def __init__(self, link: Link, inverse: np.ndarray):
+        self._link, self._inverse, self._fields = link, inverse, {}
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        fields = self._fields
+        if name not in fields:
+            fields[name] = getattr(self._link, name)[self._inverse]
+        return fields[name]
+
+
 def axis_links(table, hw, coeffs, ep_stride_tp: bool = True) -> dict[str, Link]:
+    """`mesh_links` of each distinct mesh of a candidate table, read at every candidate (`LinkAt`)."""
+    if hasattr(table, "take") and len(table) > 1:
+        sub, inverse = representatives(table, MESH_COLUMNS)
+        if len(sub) < len(table):
+            return {k: LinkAt(v, inverse) for k, v in mesh_links(sub, hw, coeffs, ep_stride_tp).items()}
+    return mesh_links(table, hw, coeffs, ep_stride_tp)
+
+
+def mesh_links(table, hw, coeffs, ep_stride_tp: bool = True) -> dict[str, Link]:
     """Link of each mesh axis, plus the derived groups the parallelisms use:
 
     * ``fsdp``: dp_shard x cp flattened (FSDP2 shards dense weights over it), stride tp;

@@ -12,9 +12,10 @@ import numpy as np
 
 from .coefficients import Coefficients
 from .flops import flops_per_token
+from .layout import take
 from .memory import MEMORY_KEYS, memory_breakdown
 from .step_time import TIME_KEYS, step_time_breakdown
-from .uncertainty import bands, uncovered_at
+from .uncertainty import bands, peak_p90, uncovered_at
 
 GIB = 2 ** 30
 
@@ -57,6 +58,11 @@ class Estimates:
         }
 
 
+def capacity_bytes(hw) -> float:
+    """Usable memory per device (`Estimates.capacity_bytes`): memory_gib - memory_reserved_gib."""
+    return float((hw.memory_gib - hw.memory_reserved_gib) * GIB)
+
+
 def time_breakdown(table, model, hw, workload, coeffs: Coefficients | None = None) -> dict[str, np.ndarray]:
     """Seconds per step of every candidate by `TIME_KEYS` (their sum is the step time), the
     workload's overlap switches applied to `coeffs` as `estimate` applies them."""
@@ -87,15 +93,28 @@ def memory_by_key(table, model, hw, workload, coeffs: Coefficients | None = None
     return mem
 
 
-def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> Estimates:
+def estimate(table, model, hw, workload, coeffs: Coefficients | None = None, *,
+             time_within_bytes: float | None = None, p90: bool = False) -> Estimates:
     """Score every candidate of `table` for `model` on `hw` under `workload`.
 
     MFU uses the one declared formula, `cost_models.flops.flops_per_token` (6 N_active +
     causal attention), against the dense bf16 peak (fp32 peak when the workload is fp32),
     also for float8 candidates.
+
+    `time_within_bytes` (a search's memory limit): the step time is estimated only for the candidates whose peak
+    memory (its p90 bound with `p90`) is within it; the others get NaN time figures (step, tokens/s, MFU, the
+    time terms, the p90 step), as a search rejects them on memory alone -- most of a large search's candidates.
     """
     mem = memory_by_key(table, model, hw, workload, coeffs)
-    tim = time_breakdown(table, model, hw, workload, coeffs)
+    if time_within_bytes is None:
+        tim = time_breakdown(table, model, hw, workload, coeffs)
+    else:
+        judged = peak_p90(mem) if p90 else sum(mem[k] for k in MEMORY_KEYS)
+        keep = np.flatnonzero(judged <= time_within_bytes)
+        part = time_breakdown(take(table, keep), model, hw, workload, coeffs) if len(keep) else {}
+        tim = {k: np.full(len(table), np.nan) for k in TIME_KEYS}
+        for k, v in part.items():
+            tim[k][keep] = v
     peak = sum(mem[k] for k in MEMORY_KEYS)
     step = sum(tim[k] for k in TIME_KEYS)
     world = table.world_size.astype(np.float64)
@@ -104,7 +123,7 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None) -> 
     peak_flops = ((hw.peak_tflops_fp32 if workload.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
                   * hw.threads_per_process(table.world_size))
     mfu = flops_per_token(model, workload.seq_len) * tokens_per_s / (world * peak_flops)
-    capacity = (hw.memory_gib - hw.memory_reserved_gib) * GIB
+    capacity = capacity_bytes(hw)
     band = bands(table, model, hw, workload, tim, mem)
     return Estimates(step_time_s=step, tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world,
                      mfu=mfu, peak_memory_bytes=peak, memory=mem, time=tim, capacity_bytes=float(capacity),

@@ -23,6 +23,7 @@ whose compute paces the pipeline).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 
@@ -39,13 +40,44 @@ PARAM_COLUMNS = LAYOUT_COLUMNS + ("tp", "ep")
 
 # --------------------------------------------------------------------------- once per distinct layout
 def unique_rows(table, columns) -> tuple[np.ndarray, np.ndarray]:
-    """(index of one representative per distinct combination of `columns`, inverse map)."""
+    """(index of one representative per distinct combination of `columns`, inverse map); kept in the table's
+    ``memo`` where it has one (the same grouping is asked for by every per-layout term of an estimate)."""
+    memo = getattr(table, "memo", None)
+    if memo is not None and (hit := memo.get(("unique", tuple(columns)))) is not None:
+        return hit
     key = np.zeros(len(table), dtype=np.int64)
     for c in columns:
         v = getattr(table, c).astype(np.int64)
         key = key * (int(v.max(initial=0)) + 1) + v
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
+    n = len(key)
+    if n and int(key.max()) < 4 * n:
+        # a dense key range (most groupings of a search table): a presence table instead of a sort, the same
+        # groups in the same (ascending key) order, each represented by its first row
+        present = np.zeros(int(key.max()) + 1, dtype=np.int64)
+        present[key] = 1
+        inverse = np.cumsum(present)[key] - 1
+        first = np.full(int(inverse.max()) + 1, n, dtype=np.int64)
+        np.minimum.at(first, inverse, np.arange(n))
+        out = first, inverse
+    else:
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        out = first, inverse.reshape(-1)
+    if memo is not None:
+        memo[("unique", tuple(columns))] = out
+    return out
+
+
+def representatives(table, columns):
+    """(`table.take` of `unique_rows`' representatives, the inverse map), the sub-table kept in the table's
+    ``memo`` so that the terms run on it share its own groupings."""
+    rep, inverse = unique_rows(table, columns)
+    memo = getattr(table, "memo", None)
+    if memo is None:
+        return table.take(rep), inverse
+    key = ("take", tuple(columns))
+    if key not in memo:
+        memo[key] = table.take(rep)
+    return memo[key], inverse
 
 
 def broadcast_rows(v, inverse):
@@ -61,18 +93,58 @@ def broadcast_rows(v, inverse):
 def per_layout(columns):
     """Run the decorated ``fn(table, ...)`` once per distinct combination of `columns` (the only table columns
     it reads) and broadcast its arrays back to every candidate: a search table holds a few hundred pipeline
-    layouts among hundreds of thousands of candidates."""
+    layouts among hundreds of thousands of candidates.  The result is kept in the table's ``memo`` under the
+    call's arguments (where they hash), read-only: an estimate asks for the same rank's layers from its memory,
+    time and data-parallel terms."""
     def wrap(fn):
+        sig = inspect.signature(fn)
+
         @functools.wraps(fn)
         def inner(table, *args, **kwargs):
             if not hasattr(table, "take") or len(table) < 2:
                 return fn(table, *args, **kwargs)
-            rep, inverse = unique_rows(table, columns)
-            if len(rep) == len(table):
-                return fn(table, *args, **kwargs)
-            return broadcast_rows(fn(table.take(rep), *args, **kwargs), inverse)
+            bound = sig.bind(table, *args, **kwargs)      # the same call however its arguments are passed
+            bound.apply_defaults()
+            key = ("call", fn, tuple(bound.arguments.items())[1:])
+            try:
+                hit = table.memo.get(key)
+            except TypeError:           # an argument that does not hash: computed each time
+                key, hit = None, None
+            if hit is not None:
+                return hit
+            sub, inverse = representatives(table, columns)
+            out = fn(table, *args, **kwargs) if len(sub) == len(table) else broadcast_rows(fn(sub, *args, **kwargs),
+                                                                                         inverse)
+            if key is not None:
+                table.memo[key] = _read_only(out)
+            return out
         return inner
     return wrap
+
+
+def take(table, idx):
+    """``table.take(idx)`` keeping what `per_layout` terms already computed on `table` (read at `idx`): an
+    estimate's step time runs on the candidates whose memory fits, after its memory terms ran on all."""
+    sub = table.take(idx)
+    memo = getattr(table, "memo", None)
+    if memo:
+        for key, v in memo.items():
+            if key[0] == "call":
+                sub.memo[key] = _read_only(broadcast_rows(v, idx))
+    return sub
+
+
+def _read_only(v):
+    """`v` (an array, or a dict / tuple of them) made read-only in place: a kept result is shared."""
+    if isinstance(v, dict):
+        for x in v.values():
+            _read_only(x)
+    elif isinstance(v, tuple):
+        for x in v:
+            _read_only(x)
+    elif isinstance(v, np.ndarray):
+        v.flags.writeable = False
+    return v
 
 
 # --------------------------------------------------------------------------- the split (scalar)
@@ -290,6 +362,12 @@ def in_flight_on_rank(table, rank) -> np.ndarray:
     out = np.minimum(out, nmb)
     out[table.pp == 1] = 1.0
     return out
+
+
+@per_layout(LAYOUT_COLUMNS + ("n_microbatches",))
+def rank_in_flight(table, model, which: str, weighted: bool = False) -> np.ndarray:
+    """`in_flight_on_rank` of rank `which` (`rank_index`), once per pipeline layout and micro-batch count."""
+    return in_flight_on_rank(table, rank_index(table, model, which, weighted))
 
 
 def interleaved_round_size(table) -> np.ndarray:

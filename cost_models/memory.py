@@ -15,7 +15,7 @@ from .activations import (embedding_activation_bytes, head_activation_bytes, per
                           pipeline_extra_bytes)
 from .data_parallel import MOE_TP_BUCKET_BYTES, moe_tp_grad_bytes
 from .layout import (RANKS, expert_shard_fraction, in_flight_microbatches, in_flight_on_rank,  # noqa: F401
-                     rank_index, rank_params)
+                     rank_in_flight, rank_index, rank_params)
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "overhead")
 
@@ -355,7 +355,7 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     """(activations, logits) of rank `which`: its in-flight micro-batches' blocks, the pipeline
     buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
     rank = rank_index(table, model, which, weighted)
-    infl = in_flight_on_rank(table, rank)
+    infl = rank_in_flight(table, model, which, weighted)
     pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
     # the embedding's backward on the rank holding it: under dtensor TP its replicated weight gradient
     # (e x vocab x dim, `dtensor_embedding_grad_full`) and the all-gathered output gradient it is computed

@@ -24,7 +24,7 @@ from .compute import (Rates, elementwise_bytes, ep_regroup_bytes, expert_kernels
                       gemm_time, head_kernels, kernels_per_block, launch_bound, layer_gemms, matmul_times)
 from .data_parallel import data_parallel, grad_accum_bytes, layout_facts  # noqa: F401 (tests use S.*)
 from .flops import ROW, attention_dims, layer_matmuls
-from .layout import broadcast_rows, holds_ends, layer_mix, mtp_blocks, unique_rows
+from .layout import holds_ends, layer_mix, mtp_blocks, unique_rows
 from .memory import loss_compiled
 from .moe_traffic import a2a_overlap_runs, dispatch_sm_share, ib_share, nvlink_relay, sends_once_per_node
 
@@ -510,7 +510,7 @@ def step_time_breakdown(table, model, hw, workload, coeffs) -> dict[str, np.ndar
     bubble = bubble_microbatches(table, Fc - body * st["head_F"], Bc - body * st["head_B"] + np.where(whole, W, 0.0),
                                  np.where(whole, 0.0, W))
 
-    facts = broadcast_rows(layout_facts(sub, model, **workload.layout_keys), inverse)
+    facts = layout_facts(table, model, **workload.layout_keys)    # per layout, kept in the table's memo
     dp, opt_bytes = data_parallel(table, model, hw, workload, coeffs, links, r, st, facts=facts)
 
     # -- pipeline point-to-point: activations of one micro-batch per stage boundary, each way

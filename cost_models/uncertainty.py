@@ -186,11 +186,10 @@ def bands(table, model, hw, workload, time_parts, mem_parts, spreads: Spreads | 
     sp = spreads or load_spreads()
     n = len(table)
     step = sum(np.asarray(v, dtype=np.float64) for v in time_parts.values()) + np.zeros(n)
-    peak = sum(np.asarray(v, dtype=np.float64) for v in mem_parts.values()) + np.zeros(n)
     ws, wm = group_shares(time_parts, TIME_GROUPS), group_shares(mem_parts, MEMORY_GROUPS)
-    qt, qm = sp.q("time"), sp.q("memory")
+    qt = sp.q("time")
     step90 = step * (1.0 + sum(ws[g] * qt[g] for g in TIME_GROUPS))
-    peak90 = peak * (1.0 + sum(wm[g] * qm[g] for g in MEMORY_GROUPS))
+    peak90 = peak_p90(mem_parts, sp, wm) + np.zeros(n)
     unc: dict[str, np.ndarray] = {}
     for kind, w, rows in (("time", ws, sp.time_rows), ("memory", wm, sp.memory_rows)):
         for g, share in w.items():
@@ -207,10 +206,20 @@ def bands(table, model, hw, workload, time_parts, mem_parts, spreads: Spreads | 
     return Bands(step_time_p90_s=step90, peak_memory_p90_bytes=peak90, uncovered=unc)
 
 
+def peak_p90(mem_parts, spreads: Spreads | None = None, shares: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """The p90 peak memory of every candidate (`bands`' ``peak_memory_p90_bytes``): it needs the memory terms
+    only, so a search can judge the conservative fit before it estimates any step time."""
+    sp = spreads or load_spreads()
+    wm = shares if shares is not None else group_shares(mem_parts, MEMORY_GROUPS)
+    qm = sp.q("memory")
+    peak = sum(np.asarray(v, dtype=np.float64) for v in mem_parts.values())
+    return peak * (1.0 + sum(wm[g] * qm[g] for g in MEMORY_GROUPS))
+
+
 def uncovered_at(uncovered: dict[str, np.ndarray], i: int) -> list[str]:
     """The reasons that apply to candidate i, in a stable order."""
     return [k for k, m in uncovered.items() if bool(m[i])]
 
 
-__all__ = ["TIME_GROUPS", "MEMORY_GROUPS", "Spreads", "Bands", "bands", "regimes", "group_shares", "load_spreads",
+__all__ = ["TIME_GROUPS", "MEMORY_GROUPS", "Spreads", "Bands", "bands", "peak_p90", "regimes", "group_shares", "load_spreads",
            "uncovered_at", "UncertaintyError"]

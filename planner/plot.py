@@ -12,6 +12,8 @@ import json
 
 import numpy as np
 
+from cost_models.estimate import estimate
+
 from .rank import PlanningError, PlanningResult
 
 X_BEYOND_USABLE = 1.15          # the x-axis ends this far past the usable memory (or past the widest feasible point)
@@ -29,6 +31,11 @@ def pareto_plot(res: PlanningResult, path: str, *, title: str = "") -> dict:
     est = res.est
     gib = est.peak_memory_bytes / 2 ** 30
     tps = est.tokens_per_s_per_gpu
+    untimed = np.flatnonzero(np.isnan(tps))
+    if len(untimed):        # the search times only what fits its memory limit: the others' time for the plot
+        tps = tps.copy()
+        tps[untimed] = estimate(res.table.take(untimed), res.model, res.hw, res.workload,
+                                res.coeffs).tokens_per_s_per_gpu
     usable = est.capacity_bytes / 2 ** 30
     feasible = np.asarray(res.order, dtype=int)
     widest = float(gib[feasible].max()) if len(feasible) else 0.0

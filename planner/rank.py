@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models.coefficients import Coefficients
-from cost_models.estimate import Estimates, estimate
+from cost_models.estimate import Estimates, capacity_bytes, estimate
 from cost_models.specs import HardwareSpec, ModelSpec
 from cost_models.workload import Workload
 from search_spaces import constraints as C
@@ -218,6 +218,8 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
         hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
     cannot = tp_shards_unrunnable(en.table) if shards else np.zeros(len(en.table), dtype=bool)
     unsynced = grad_sync_unrunnable(en.table, workload.pp_grad_sync)
+    p90 = rank_by == "p90"
+    limit = capacity_bytes(hw) * (1.0 - memory_margin)      # time is estimated only where memory fits this
     if reuse:       # what neither regime changes keeps its estimate; what cannot run is rejected below
         t = en.table
         changed = np.zeros(len(t), dtype=bool)
@@ -242,12 +244,11 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
             changed |= (t.is_ac("selective") & ~cannot & ~base_fits
                         & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin)))
         changed = np.flatnonzero(changed)
-        est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs))
+        est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs,
+                                                     time_within_bytes=limit, p90=p90))
     else:
-        est = estimate(en.table, model, hw, workload, coeffs)
-    p90 = rank_by == "p90"
+        est = estimate(en.table, model, hw, workload, coeffs, time_within_bytes=limit, p90=p90)
     step, peak = (est.step_time_p90_s, est.peak_memory_p90_bytes) if p90 else (est.step_time_s, est.peak_memory_bytes)
-    limit = est.capacity_bytes * (1.0 - memory_margin)
     rejected = list(en.rejected)
     # what titan-run refuses under this workload and backend (executor/config.py's one-line refusals), each
     # candidate counted under the first reason

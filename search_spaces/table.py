@@ -31,10 +31,13 @@ class Columns(PlanFacts):
     The enumerator checks the layout rules on these while it builds candidates stage by stage.
     """
 
-    __slots__ = ("_cols",)
+    __slots__ = ("_cols", "memo")
 
     def __init__(self, columns: Mapping[str, np.ndarray]):
         self._cols = dict(columns)
+        # what the cost models derive from the columns alone (`cost_models.layout`'s groupings, representative
+        # sub-tables and per-layout results): the columns are never written after construction
+        self.memo: dict = {}
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
