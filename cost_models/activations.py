@@ -15,7 +15,10 @@ import numpy as np
 from search_spaces.plan import AC_MODES
 
 from .flops import COL, ROW, attention_dims, layer_matmuls
-from .layout import layers_per_rank
+from .layout import LAYOUT_COLUMNS, layers_per_rank, per_layout
+
+# the table columns a block's saved tensors depend on (its shards, micro-batch, checkpointing and kernels)
+BLOCK_COLUMNS = ("tp", "cp", "microbatch", "ac", "compile", "float8")
 
 # Terms of the bytes a block keeps per token, by how tensor parallelism divides them:
 SEQ, SHARD, SCORE, FULL, FULL_TP, SEQ_TP = range(6)
@@ -300,6 +303,7 @@ def ffn_rebuild_rows(table, workload) -> np.ndarray:
     return lut[table.ac, table.compile.astype(int), table.float8.astype(int)]
 
 
+@per_layout(BLOCK_COLUMNS)
 def per_layer_activation_bytes(table, model, workload, coeffs, moe: bool) -> tuple[np.ndarray, np.ndarray]:
     """(bytes one block keeps per micro-batch, transient working set of one block's backward).
 
@@ -340,6 +344,7 @@ HELD_GRAD_SENDS = 2.0
 HELD_GRAD_SENDS_ZBV = 3.0
 
 
+@per_layout(LAYOUT_COLUMNS + ("tp", "cp", "microbatch", "n_microbatches"))
 def pipeline_extra_bytes(table, model, workload, moe: bool = False) -> dict[str, np.ndarray]:
     """Per-rank bytes of pipeline mechanics that do not scale like one block's activations.
 

@@ -107,7 +107,7 @@ def per_layout(columns):
             bound.apply_defaults()
             key = ("call", fn, tuple(bound.arguments.items())[1:])
             try:
-                hit = table.memo.get(key)
+                hit = _recall(table.memo, key)
             except TypeError:           # an argument that does not hash: computed each time
                 key, hit = None, None
             if hit is not None:
@@ -125,13 +125,25 @@ def per_layout(columns):
 def take(table, idx):
     """``table.take(idx)`` keeping what `per_layout` terms already computed on `table` (read at `idx`): an
     estimate's step time runs on the candidates whose memory fits, after its memory terms ran on all."""
+    idx = np.asarray(idx)
+    idx = np.flatnonzero(idx) if idx.dtype == bool else idx
     sub = table.take(idx)
     memo = getattr(table, "memo", None)
-    if memo:
-        for key, v in memo.items():
-            if key[0] == "call":
-                sub.memo[key] = _read_only(broadcast_rows(v, idx))
+    if memo is not None:
+        sub.memo["parent"] = (memo, idx)      # read through on a miss (`_recall`)
     return sub
+
+
+def _recall(memo: dict, key):
+    """A kept `per_layout` result for `key` in `memo`, else in the memo of the table it was taken from (read at
+    its rows, then kept here too); None when neither has it."""
+    hit = memo.get(key)
+    if hit is None and "parent" in memo:
+        parent, idx = memo["parent"]
+        up = _recall(parent, key)
+        if up is not None:
+            hit = memo[key] = _read_only(broadcast_rows(up, idx))
+    return hit
 
 
 def _read_only(v):

@@ -14,7 +14,6 @@ import sys
 import time
 from typing import Callable, TextIO
 
-from tqdm import tqdm
 
 
 def duration(s: float) -> str:
@@ -36,6 +35,7 @@ class Progress:
         self._initial, self._t0, self._eta = int(initial), time.monotonic(), eta   # eta: items of like length
         self.bar = None
         if _is_tty(self.stream):
+            from tqdm import tqdm     # tqdm: imported when a bar is drawn (titan-plan's cold start)
             width = {"dynamic_ncols": True} if _sized(self.stream) else {"ncols": 100, "nrows": 20}
             self.bar = tqdm(total=self.total, initial=self.n, desc=desc, unit=unit, file=self.stream, leave=True,
                             **width)
@@ -75,7 +75,7 @@ class Progress:
             return log
 
         def bar_safe(line: str) -> None:
-            with tqdm.external_write_mode(file=self.stream):
+            with type(self.bar).external_write_mode(file=self.stream):
                 log(line)
         return bar_safe
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from cost_models.coefficients import Coefficients
 from cost_models.estimate import Estimates, capacity_bytes, estimate
+from cost_models.layout import take
 from cost_models.specs import HardwareSpec, ModelSpec
 from cost_models.workload import Workload
 from search_spaces import constraints as C
@@ -244,7 +245,7 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
             changed |= (t.is_ac("selective") & ~cannot & ~base_fits
                         & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin)))
         changed = np.flatnonzero(changed)
-        est = _overlay(reuse.est, changed, estimate(en.table.take(changed), model, hw, workload, coeffs,
+        est = _overlay(reuse.est, changed, estimate(take(en.table, changed), model, hw, workload, coeffs,
                                                      time_within_bytes=limit, p90=p90))
     else:
         est = estimate(en.table, model, hw, workload, coeffs, time_within_bytes=limit, p90=p90)

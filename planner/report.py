@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from cost_models.estimate import Estimates
@@ -90,6 +89,7 @@ def format_breakdown(est: Estimates, i: int) -> str:
 
 
 def provenance(command: list[str], n_candidates: int) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version   # imported when used (titan-plan's cold start)
     try:
         v = version("titan-autoplan")
     except PackageNotFoundError:
