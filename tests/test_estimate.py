@@ -64,3 +64,27 @@ def test_estimate_is_fast_on_a_large_space():
     dt = time.perf_counter() - t0
     assert dt < 1.5, f"estimate took {dt:.2f} s on {len(tab)} candidates (target well under 0.5 s)"
     assert e.fits.any()
+
+
+def test_a_search_times_only_the_candidates_whose_memory_fits():
+    """`estimate(time_within_bytes=...)`: the step time (and what derives from it) only where the peak memory,
+    or its p90 bound, is within the limit, NaN elsewhere; the memory of every candidate and the time of the
+    timed ones exactly as a full estimate has them."""
+    m, hw = load_model("llama3-70b"), load_hardware("h100-sxm")
+    wl = Workload(seq_len=4096, global_batch=64)
+    tab = enumerate_plans(load_space("dense"), Target.of(m, world_size=64, seq_len=4096, global_batch=64,
+                                                         gpus_per_node=8)).table
+    full = estimate(tab, m, hw, wl)
+    limit = 0.8 * full.capacity_bytes
+    for p90 in (False, True):
+        part = estimate(tab, m, hw, wl, time_within_bytes=limit, p90=p90)
+        timed = (full.peak_memory_p90_bytes if p90 else full.peak_memory_bytes) <= limit
+        assert timed.any() and (~timed).any()
+        np.testing.assert_array_equal(np.isnan(part.step_time_s), ~timed)
+        for name in ("step_time_s", "tokens_per_s", "mfu", "step_time_p90_s"):
+            np.testing.assert_array_equal(getattr(part, name)[timed], getattr(full, name)[timed])
+        for k in TIME_KEYS:
+            np.testing.assert_array_equal(part.time[k][timed], full.time[k][timed])
+        for k in MEMORY_KEYS:
+            np.testing.assert_array_equal(part.memory[k], full.memory[k])
+        np.testing.assert_array_equal(part.peak_memory_p90_bytes, full.peak_memory_p90_bytes)

@@ -217,3 +217,46 @@ def test_per_layout_functions_equal_their_per_candidate_form():
                  layout.layer_mix.__wrapped__(table, model, which=which, weighted=weighted))
             same(layout.holds_ends(table, model, which, weighted),
                  layout.holds_ends.__wrapped__(table, model, which, weighted))
+
+
+def test_per_layout_results_are_kept_once_read_only_and_read_through_a_taken_table():
+    """`per_layout` keeps each result in the table's memo under its bound arguments (a positional and a keyword
+    call share it), read-only; `layout.take` gives a sub-table that reads its parent's results at its rows.  Each
+    equals the function on a table without a memo."""
+    import search_spaces.constraints as C
+    from cost_models import activations, layout
+    from cost_models.specs import load_model
+    from search_spaces.enumerate import enumerate_plans
+    from search_spaces.space import load_space
+
+    model = load_model("llama3-70b")
+    target = C.Target.of(model, world_size=64, seq_len=4096, global_batch=128, gpus_per_node=8,
+                         float8_supported=True, pp_weighted=False)
+    table = enumerate_plans(load_space("dense"), target).table
+    wl, coeffs = Workload(seq_len=4096, global_batch=128), Coefficients()
+    kept = layout.rank_params(table, model, True)
+    assert layout.rank_params(table, model, weighted=True) is kept
+    assert not kept["busiest_dense"].flags.writeable
+    with pytest.raises(ValueError):
+        kept["busiest_dense"][0] = 0.0
+
+    def fresh(t):
+        return CandidateTable(t.columns)       # the same columns, an empty memo
+
+    def same(a, b):
+        if isinstance(a, (dict, tuple)):
+            for x, y in zip(a.values() if isinstance(a, dict) else a, b.values() if isinstance(b, dict) else b):
+                same(x, y)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+    same(kept, layout.rank_params(fresh(table), model, True))
+    act = activations.per_layer_activation_bytes(table, model, wl, coeffs, moe=False)
+    same(act, activations.per_layer_activation_bytes(fresh(table), model, wl, coeffs, moe=False))
+    idx = np.random.default_rng(0).choice(len(table), size=len(table) // 3, replace=False)
+    sub = layout.take(table, idx)
+    read = layout.rank_params(sub, model, True)
+    same(read, layout.rank_params(fresh(table.take(idx)), model, True))
+    same(read, {k: (tuple(x[idx] for x in v) if isinstance(v, tuple) else v[idx]) for k, v in kept.items()})
+    same(activations.per_layer_activation_bytes(sub, model, wl, coeffs, moe=False),
+         tuple(a[idx] for a in act))
