@@ -104,11 +104,13 @@ def test_tp_waits_inside_the_node_hide_data_parallel_traffic_across_nodes():
         st["B"][0] + st["tp_b"][0])
     for k in ("blockF", "blockBW", "F", "B", "W"):         # DP on NVLink as TP is: the waits hide nothing
         assert win[k][1] == st[k][1], k
-    # end to end: exposing the TP collectives (overlap off -> on) can only shrink the DP window across nodes
+    # end to end: hiding the TP collectives (coefficient tp_overlap 0 -> 1) leaves fewer exposed TP waits, so the
+    # DP window across nodes shrinks and more DP traffic is exposed (`_parts` takes the coefficients as given, not
+    # through `Workload.with_overlaps`, so the workload's tp_comm_overlap does not reset them)
     one = CandidateTable.from_plans([Plan(tp=8, dp_shard=64, microbatch=1, n_microbatches=1)])
     slow_net = dataclasses.replace(hw, inter_node_bw_gbs=5.0, nic_gbps=None, gpus_per_nic=None)
     dp, tp = {}, {}
-    for ov in (0.0, 1.0):                                  # the tp_overlap that tp_comm_overlap none / full give
+    for ov in (0.0, 1.0):
         c = Coefficients(tp_overlap=ov)
         r, links, st = _parts(one, model, slow_net, wl, c)
         dp[ov], tp[ov] = S.data_parallel(one, model, slow_net, wl, c, links, r, st)[0][0], st["tp_f"][0]
