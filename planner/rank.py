@@ -50,13 +50,19 @@ class PlanningResult:
     # and the selective-checkpointing policies (`plan_candidates(selective_acs=...)`): ``workload.selective_ac``
     policy_best: dict[str, float | None] = field(default_factory=dict)
     enumeration: Enumeration | None = field(default=None, repr=False)   # what `table` came from
+    # (step time, peak memory) the ranking used, as `step_time` / `peak_memory` give them (else read from `est`)
+    ranked: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def step_time(self) -> np.ndarray:
         """The step time the ranking uses (seconds per step, every candidate)."""
+        if self.ranked is not None:
+            return self.ranked[0]
         return self.est.step_time_p90_s if self.rank_by == "p90" else self.est.step_time_s
 
     def peak_memory(self) -> np.ndarray:
         """The peak memory feasibility is judged by (bytes per device, every candidate)."""
+        if self.ranked is not None:
+            return self.ranked[1]
         return self.est.peak_memory_p90_bytes if self.rank_by == "p90" else self.est.peak_memory_bytes
 
     @property
@@ -180,6 +186,37 @@ def _choose(results: list[PlanningResult], splits, tpas, syncs, pols) -> Plannin
     return chosen
 
 
+# what a search ranks by and draws its front from (`_plan_one`), of every candidate
+_RANKING_FIGURES = ("step_time_s", "step_time_p90_s", "peak_memory_bytes", "peak_memory_p90_bytes", "tokens_per_s")
+
+
+def _put(base: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = base.copy()
+    out[idx] = values
+    return out
+
+
+class _Overlaid:
+    """`_overlay(base, idx, sub)` built on first use: a regime's result that the search does not choose is never
+    read beyond what it ranks by (`_RANKING_FIGURES`, taken separately)."""
+
+    __slots__ = ("_parts", "_est")
+
+    def __init__(self, base: Estimates, idx: np.ndarray, sub: Estimates):
+        self._parts, self._est = (base, idx, sub), None
+
+    def _built(self) -> Estimates:
+        if self._est is None:
+            self._est, self._parts = _overlay(*self._parts), None
+        return self._est
+
+    def __getattr__(self, name: str):
+        return getattr(self._built(), name)
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+
 def _overlay(base: Estimates, idx: np.ndarray, sub: Estimates) -> Estimates:
     """`base` with the candidates `idx` replaced by `sub` (their estimates, in that order)."""
     out = {}
@@ -245,11 +282,14 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
             changed |= (t.is_ac("selective") & ~cannot & ~base_fits
                         & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin)))
         changed = np.flatnonzero(changed)
-        est = _overlay(reuse.est, changed, estimate(take(en.table, changed), model, hw, workload, coeffs,
-                                                     time_within_bytes=limit, p90=p90))
+        sub = estimate(take(en.table, changed), model, hw, workload, coeffs, time_within_bytes=limit, p90=p90)
+        est = _Overlaid(reuse.est, changed, sub)     # the whole of it is built only if this result is read
+        figures = {k: _put(getattr(reuse.est, k), changed, getattr(sub, k)) for k in _RANKING_FIGURES}
     else:
         est = estimate(en.table, model, hw, workload, coeffs, time_within_bytes=limit, p90=p90)
-    step, peak = (est.step_time_p90_s, est.peak_memory_p90_bytes) if p90 else (est.step_time_s, est.peak_memory_bytes)
+        figures = {k: getattr(est, k) for k in _RANKING_FIGURES}
+    step, peak = ((figures["step_time_p90_s"], figures["peak_memory_p90_bytes"]) if p90
+                  else (figures["step_time_s"], figures["peak_memory_bytes"]))
     rejected = list(en.rejected)
     # what titan-run refuses under this workload and backend (executor/config.py's one-line refusals), each
     # candidate counted under the first reason
@@ -268,9 +308,10 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
     idx = np.flatnonzero(fits)
     # best first: shortest step (the global batch is fixed, so = most tokens/s), then least memory
     order = idx[np.lexsort((peak[idx], step[idx]))]
-    return PlanningResult(table=en.table, est=est, order=order, pareto=pareto_front(est, idx),
+    return PlanningResult(table=en.table, est=est, order=order,
+                          pareto=_front(figures["peak_memory_bytes"], figures["tokens_per_s"], idx),
                           rejected=rejected, n_layouts=en.n_layouts, model=model, hw=hw, workload=workload,
-                          coeffs=coeffs, rank_by=rank_by, enumeration=en)
+                          coeffs=coeffs, rank_by=rank_by, enumeration=en, ranked=(step, peak))
 
 
 def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: Workload, *,
@@ -297,9 +338,14 @@ def smallest_fitting_world(space: SearchSpace, model: ModelSpec, hw: HardwareSpe
 
 def pareto_front(est: Estimates, idx: np.ndarray) -> np.ndarray:
     """Candidates in `idx` that no other has both more tokens/s and less peak memory; by memory."""
+    return _front(est.peak_memory_bytes, est.tokens_per_s, idx)
+
+
+def _front(peak: np.ndarray, tokens_per_s: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """`pareto_front` of the candidates' peak memory and tokens/s."""
     if not len(idx):
         return idx
-    mem, tps = est.peak_memory_bytes[idx], est.tokens_per_s[idx]
+    mem, tps = peak[idx], tokens_per_s[idx]
     by_mem = np.lexsort((-tps, mem))              # memory ascending, then tokens/s descending
     best_so_far = np.maximum.accumulate(tps[by_mem])
     prev_best = np.concatenate(([-np.inf], best_so_far[:-1]))
