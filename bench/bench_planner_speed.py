@@ -6,7 +6,7 @@ Also reported, without a target: deepseek-v3-671b on 2,048 H800 with a 16M-token
 (over half a million candidates per split).  Prints medians of several runs; the last line is the headline.
 
 Measured 2026-12-07 on the shared 2-core machine (its speed swings by a third between runs), before -> after the
-per-layout memo, links per mesh, step time only where memory fits and lazily overlaid regimes (b291f66 and after),
+per-layout memo, links per mesh, step time only where memory fits and lazily overlaid regimes (a2f3009..80e3f82),
 side by side in one session: in-process 1.43 -> 0.89 s (medians of 4 alternating processes x 5 runs; this script
 alone printed 0.71 s), CLI cold 2.42 -> 1.69 s (medians of 4 alternating runs), deepseek-v3-671b 9.2 -> 4.2 s (one
 run each; peak RSS 1,100 -> 878 MiB); every candidate that fits scored bit-identically.
