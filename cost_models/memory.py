@@ -98,7 +98,9 @@ def memory_breakdown(table, model, workload, coeffs, *, caching_allocator: bool 
     by_rank = memory_by_rank(table, model, workload, coeffs, caching_allocator=caching_allocator, hw=hw)
     totals = np.array([sum(by_rank[w].values()) for w in RANKS])
     worst = np.argmax(totals, axis=0)                # ties: the first of RANKS
-    return {k: np.choose(worst, [by_rank[w][k] for w in RANKS]) for k in MEMORY_KEYS}
+    first, last, busiest = (by_rank[w] for w in RANKS)
+    is_first, is_last = worst == 0, worst == 1
+    return {k: np.where(is_first, first[k], np.where(is_last, last[k], busiest[k])) for k in MEMORY_KEYS}
 
 
 def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = True,
@@ -171,10 +173,16 @@ def _shared_activation_terms(table, model, workload, coeffs) -> dict:
     # the main model's (Megatron-core concatenates them before the output layer), so the head rank's logits
     # and head tensors are (1 + mtp_layers) times one micro-batch's
     heads = 1.0 + model.mtp_layers
+    head_act = heads * head_activation_bytes(table, model, workload, table.compile)
+    v = table.stages_per_rank.astype(np.float64)
     return dict(e=4.0 if workload.dtype == "fp32" else 2.0, tokens=tokens, dense_act=dense_act, moe_act=moe_act, working_set=np.maximum(ws_dense, ws_moe),
-                head_infl=head_infl,
+                head_infl=head_infl, head_extra=(head_infl - 1) * head_act,
                 logits_head=heads * tokens * model.vocab_size / table.tp * (head_infl * logit_kept + logit_turn),
-                head_act=heads * head_activation_bytes(table, model, workload, table.compile),
+                head_act=head_act,
+                # rank-independent facts `_activation_bytes` reads for each rank
+                emb_grad_full=dtensor_embedding_grad_full(table), other_chunks=(v - 1.0) / v,
+                v_shape=table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV"),
+                one_stage=table.stages_per_rank == 1,
                 logits_turn=heads * tokens * model.vocab_size / table.tp * (logit_kept + logit_turn),
                 pipe=pipeline_extra_bytes(table, model, workload),
                 emb_act=embedding_activation_bytes(table, model, workload))
@@ -365,13 +373,12 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     nd, nm = rp[f"{which}_layers"]
     per_mb = nd * shared["dense_act"] + nm * shared["moe_act"]
     e = shared["e"]
-    emb_bwd = np.where(rp[f"{which}_has_emb"] & dtensor_embedding_grad_full(table),
+    emb_bwd = np.where(rp[f"{which}_has_emb"] & shared["emb_grad_full"],
                        e * model.vocab_size * model.dim + e * shared["tokens"] * model.dim - per_mb, 0.0)
     working_set = np.maximum(working_set, emb_bwd)
     has_head = rp[f"{which}_has_head"]
     # the loss stage's output is the logits: its other stages' outputs only (none with one stage per rank)
-    v = table.stages_per_rank.astype(np.float64)
-    per_mb = per_mb + pipe["boundary"] * np.where(has_head, (v - 1.0) / v, 1.0)
+    per_mb = per_mb + pipe["boundary"] * np.where(has_head, shared["other_chunks"], 1.0)
     per_mb = per_mb + np.where(rp[f"{which}_has_emb"], shared["emb_act"], 0.0)   # embedding norm, dropout mask
     # Two peak candidates after the last forward: the loss turn (final norm, head input and the
     # logit tensors of the current micro-batch) and, once those are freed, a block's backward
@@ -386,14 +393,13 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # the sends (`pipeline_extra_bytes` ``sends_out``, ``sends_grad``): an output from each stage but the last,
     # an input gradient from each but the first, less a V schedule's same-rank hand-over (stages pp - 1 and pp
     # on rank pp - 1: the forward output and the input gradient stay local)
-    v_shape = table.is_schedule("ZBVZeroBubble") | table.is_schedule("DualPipeV")
-    handover = np.where(v_shape & (rank == table.pp - 1), 1.0, 0.0)
+    handover = np.where(shared["v_shape"] & (rank == table.pp - 1), 1.0, 0.0)
     out_directions = table.stages_per_rank - has_head - handover
     grad_directions = table.stages_per_rank - rp[f"{which}_has_emb"] - handover
     sends = (out_directions * pipe["sends_out"] + grad_directions * pipe["sends_grad"]
              + np.where(grad_directions > 0, pipe["grads_held"], 0.0))
     acts = ((infl * per_mb + working_set + pipe["deferred_w"]
-            + np.where(has_head, (shared["head_infl"] - 1) * head_act, 0.0)) * coeffs.activation_memory_scale
+            + np.where(has_head, shared["head_extra"], 0.0)) * coeffs.activation_memory_scale
             + (sends + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
     # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
     turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
@@ -411,7 +417,7 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     # (titan-run --dry-run --memory, llama3-405b TP 8 x PP 16 x FSDP 128, last rank: at the step's peak, the
     # loss turn, 1.98 GiB of gathered parameters and buffers of the stage's 6.98.)  One stage per rank only:
     # under the interleaved schedules the other chunks' forwards reshard them in between.
-    regather = (fsdp_at_turn < fsdp) & (table.stages_per_rank == 1)
+    regather = (fsdp_at_turn < fsdp) & shared["one_stage"]
     blocks = nd * shared["dense_act"] + nm * shared["moe_act"]
     first_block = np.where(nd > 0, shared["dense_act"], shared["moe_act"])
     freed = np.maximum(0.0, blocks - first_block) * coeffs.activation_memory_scale
