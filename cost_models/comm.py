@@ -159,6 +159,8 @@ class LinkAt:
         self._link, self._inverse, self._fields = link, inverse, {}
 
     def __getattr__(self, name: str) -> np.ndarray:
+        if name.startswith("_"):       # an unset slot (copy, pickle): not a field of the link
+            raise AttributeError(name)
         fields = self._fields
         if name not in fields:
             fields[name] = getattr(self._link, name)[self._inverse]

@@ -211,6 +211,8 @@ class _Overlaid:
         return self._est
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):       # an unset slot (copy, pickle): not a field of the estimates
+            raise AttributeError(name)
         return getattr(self._built(), name)
 
     def __len__(self) -> int:
