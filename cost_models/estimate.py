@@ -106,16 +106,16 @@ def estimate(table, model, hw, workload, coeffs: Coefficients | None = None, *,
     time terms, the p90 step), as a search rejects them on memory alone -- most of a large search's candidates.
     """
     mem = memory_by_key(table, model, hw, workload, coeffs)
+    peak = sum(mem[k] for k in MEMORY_KEYS)
     if time_within_bytes is None:
         tim = time_breakdown(table, model, hw, workload, coeffs)
     else:
-        judged = peak_p90(mem) if p90 else sum(mem[k] for k in MEMORY_KEYS)
+        judged = peak_p90(mem) if p90 else peak
         keep = np.flatnonzero(judged <= time_within_bytes)
         part = time_breakdown(take(table, keep), model, hw, workload, coeffs) if len(keep) else {}
         tim = {k: np.full(len(table), np.nan) for k in TIME_KEYS}
         for k, v in part.items():
             tim[k][keep] = v
-    peak = sum(mem[k] for k in MEMORY_KEYS)
     step = sum(tim[k] for k in TIME_KEYS)
     world = table.world_size.astype(np.float64)
     tokens_per_s = workload.global_batch_tokens / step

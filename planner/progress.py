@@ -15,7 +15,6 @@ import time
 from typing import Callable, TextIO
 
 
-
 def duration(s: float) -> str:
     """12 s, 3m05s, 1h02m."""
     s = max(0.0, s)

@@ -225,8 +225,7 @@ def _overlay(base: Estimates, idx: np.ndarray, sub: Estimates) -> Estimates:
     for f in dataclasses.fields(Estimates):
         v, w = getattr(base, f.name), getattr(sub, f.name)
         if isinstance(v, np.ndarray):
-            v = v.copy()
-            v[idx] = w
+            v = _put(v, idx, w)
         elif isinstance(v, dict):        # (`uncovered` holds only the reasons some candidate has)
             n = len(base.step_time_s)
             v = {k: (v[k].copy() if k in v else np.zeros(n, dtype=w[k].dtype)) for k in {**v, **w}}
@@ -275,14 +274,14 @@ def _plan_one(space: SearchSpace, model: ModelSpec, hw: HardwareSpec, workload: 
             # the overhead on them, so a candidate still over the limit without all of them cannot fit
             m = reuse.est.memory
             floor = reuse.est.peak_memory_bytes - m["grads"] - m["fsdp_buffers"] - m["overhead"]
-            changed &= ~base_fits & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin))
+            changed &= ~base_fits & (floor <= limit)
         if op:      # searched for the memory it saves, as the sync: the selective candidates that do not fit, and
             # of those what could: the policy saves activations only (with the sync, its terms too)
             m = reuse.est.memory
             floor = reuse.est.peak_memory_bytes - m["activations"] - m["overhead"] - (
                 m["grads"] + m["fsdp_buffers"] if every else 0.0)
             changed |= (t.is_ac("selective") & ~cannot & ~base_fits
-                        & (floor <= reuse.est.capacity_bytes * (1.0 - memory_margin)))
+                        & (floor <= limit))
         changed = np.flatnonzero(changed)
         sub = estimate(take(en.table, changed), model, hw, workload, coeffs, time_within_bytes=limit, p90=p90)
         est = _Overlaid(reuse.est, changed, sub)     # the whole of it is built only if this result is read
