@@ -26,6 +26,7 @@ from search_spaces.plan import Plan
 from search_spaces.typed import InputError, OneLineArgumentParser
 
 from .config import ConfigError, apply_overrides, load_run_config, parse_overrides, read_plan_file
+from .dry_run_args import prepare as prepare_dry_run
 from .elastic import launcher_world, load_elastic_config
 from .faults import EXIT_PEER_FAILED, expected_failure, peer_failure, print_once
 from .launch import die_with_parent, is_worker, launch_workers, local_gpu_count, single_process_env
@@ -249,8 +250,11 @@ def finish(code: int):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--dry-run" in argv:   # one process, fake process group of the target world: see executor/dry_run.py
-        from .dry_run import main as dry_run_main  # torch: launcher path
-        return dry_run_main([a for a in argv if a != "--dry-run"])
+        prepared = prepare_dry_run([a for a in argv if a != "--dry-run"])    # torch-free: bad input answered here
+        if isinstance(prepared, int):
+            return prepared
+        from .dry_run import execute  # torch: launcher path
+        return execute(prepared)
     if argv and argv[0] in ("export", "import"):   # safetensors export/import: see executor/export.py
         from .export import main as export_main  # torch: launcher path
         return export_main(argv)

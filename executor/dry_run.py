@@ -19,7 +19,6 @@ spent. The JSON it prints (``--json``) is what the planner reads.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -33,10 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from search_spaces.planfile import read_plan_file
-from search_spaces.typed import OneLineArgumentParser
-
-from .config import ConfigError, load_run_config
+from .dry_run_args import DryRun, prepare
 from .dry_run_step import fake_step_peak
 from .mesh import build_meshes
 from .parallel import build_model_parts, resolve_backend, resolve_precision
@@ -107,50 +103,31 @@ def _mib(v: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineArgumentParser(prog="titan-run --dry-run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plan", required=True, help="plan file")
-    ap.add_argument("--world", type=int, help="target world size (default: the plan's degrees' product)")
-    ap.add_argument("--ranks", help="comma-separated ranks to inspect (default: first rank of each pp stage)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override plan/workload keys")
-    ap.add_argument("--memory", action="store_true", help="also a FakeTensor peak-memory estimate of one step")
-    ap.add_argument("--json", action="store_true", help="print one JSON document")
-    args = ap.parse_args(argv)
+    prepared = prepare(argv)        # torch-free: flags, plan file, configuration, ranks (executor/dry_run_args.py)
+    return prepared if isinstance(prepared, int) else execute(prepared)
+
+
+def execute(run: DryRun) -> int:
+    """Inspect the ranks of a prepared dry run and print the report (or its JSON document)."""
     t0 = time.perf_counter()
-    try:
-        given = read_plan_file(args.plan)["plan"]
-        world = args.world if args.world is not None else given.world_size   # --world 0 is refused
-        note = None
-        if given.float8 and importlib.util.find_spec("torchao") is None:
-            # Float8Linear keeps the high-precision weights: the state bytes do not depend on float8
-            args.set.append("plan.float8=false")
-            note = "float8 not applied (torchao is not installed); state bytes are the same"
-        cfg = load_run_config(args.plan, args.set, world_size=world)
-    except (ConfigError, ValueError) as e:
-        print(f"titan-run: error: {e}", file=sys.stderr)
-        return 2
+    cfg, world, ranks, note = run.cfg, run.world, run.ranks, run.note
     plan = cfg.plan
-    per_stage = world // plan.pp
-    ranks = ([int(r) for r in args.ranks.split(",")] if args.ranks else [s * per_stage for s in range(plan.pp)])
-    bad = [r for r in ranks if not 0 <= r < world]
-    if bad:
-        print(f"titan-run: error: --ranks {bad[0]} is outside the world of {world}", file=sys.stderr)
-        return 2
     torch.set_num_threads(1)
     rows = []
     for r in ranks:
         try:
-            rows.append(inspect_rank(cfg, r, world, memory=args.memory, announce=not rows))
+            rows.append(inspect_rank(cfg, r, world, memory=run.memory, announce=not rows))
         except Exception as e:  # noqa: BLE001 - a layout the executor cannot apply: report it as such
             doc = {"status": "error", "rank": r, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-            print(json.dumps(doc) if args.json else f"titan-run: dry run failed on rank {r}: {doc['error']}",
-                  file=sys.stdout if args.json else sys.stderr)
+            print(json.dumps(doc) if run.json else f"titan-run: dry run failed on rank {r}: {doc['error']}",
+                  file=sys.stdout if run.json else sys.stderr)
             return 1
     worst = max(rows, key=lambda x: x["state_bytes"])
     doc = {"status": "ok", "world": world, "plan": plan.to_dict(), "model": cfg.spec.name,
            "backend": rows[0]["backend"], "ranks": rows,
            "worst_rank": worst["rank"], "worst_state_bytes": worst["state_bytes"],
            "elapsed_s": round(time.perf_counter() - t0, 3), "note": note}
-    if args.json:
+    if run.json:
         print(json.dumps(doc))
     else:
         print(f"dry run of {cfg.spec.name} on a fake world of {world} ({plan.describe()}), backend {doc['backend']}, "

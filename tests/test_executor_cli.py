@@ -172,6 +172,25 @@ def test_issue15_dry_run_world_and_unreadable_plans(tmp_path):
         assert_one_line_error(p, message, tmp_path / "run")
 
 
+
+def test_dry_run_refuses_bad_input_before_importing_torch(tmp_path):
+    """A bad --world or --ranks, or a plan the world cannot hold, is answered by the dry run's torch-free front
+    (executor/dry_run_args.py) in one line, exit 2, torch never imported; a good one is prepared for execution."""
+    plan = _silent_plan(tmp_path, {})
+    cases = ((["--world", "3"], "but the world size is 3"), (["--world", "2", "--ranks", "x"],
+             "--ranks must be comma-separated integers, got 'x'"), (["--ranks", "5"], "--ranks 5 is outside the world of 2"))
+    code = ("import sys, json; from executor.cli import main; argv = json.loads(sys.argv[1]); rc = main(argv); "
+            "assert 'torch' not in sys.modules, 'imported torch'; print('RC', rc)")
+    for extra, message in cases:
+        r = subprocess.run([sys.executable, "-c", code, json.dumps(["--dry-run", "--plan", plan, *extra])],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert "RC 2" in r.stdout, r.stdout + r.stderr[-2000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("titan-run: error: ") and lines[0].endswith(message), r.stderr
+    from executor.dry_run_args import DryRun, prepare
+    ready = prepare(["--plan", plan, "--ranks", "0,1", "--memory"])
+    assert isinstance(ready, DryRun) and ready.world == 2 and ready.ranks == [0, 1] and ready.memory
+
 # issue 14: data and tokenizer contents are read before any process group starts
 def _tokenizer_json(path: Path, n_tokens: int) -> str:
     """A real tokenizer.json (the tokenizers package) with `n_tokens` tokens."""
