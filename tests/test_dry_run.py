@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from planner.rank import plan_candidates
 from search_spaces.plan import Plan
 from search_spaces.space import load_space
 from search_spaces.table import CandidateTable
+
+MODELS = Path(__file__).resolve().parents[1] / "cost_models" / "presets" / "models"
 
 
 def dry_run(tmp_path, model, plan: Plan, seq_len, gb, *extra):
@@ -211,9 +214,13 @@ def test_dry_run_applies_the_spmd_path_like_a_real_run(tmp_path):
     compile, no note; it says which backend it applied; its state bytes are the dtensor build's but for the
     embedding, which dtensor leaves replicated over tp under compile (docs/torch_on_cpu.md §8c)."""
     plan = Plan(dp_shard=2048, tp=8, compile=True)
+    # llama3-8b's widths and vocabulary with two of its blocks: FSDP2's sharding of each parameter over 2,048 ranks
+    # is most of the build's time, and the embedding (the check below) is the same
+    short = tmp_path / "llama3-8b-2layers.yaml"
+    short.write_text(yaml.safe_dump({**yaml.safe_load((MODELS / "llama3-8b.yaml").read_text()), "n_layers": 2}))
     docs = {}
     for backend in ("spmd_types", "dtensor"):
-        r = dry_run(tmp_path, "llama3-8b", plan, 4096, plan.global_batch(), "--world", "16384",
+        r = dry_run(tmp_path, str(short), plan, 4096, plan.global_batch(), "--world", "16384",
                     *(["--set", "plan.backend=dtensor"] if backend == "dtensor" else []))
         assert r.returncode == 0, r.stderr[-2000:]
         assert "note: backend" not in r.stderr, r.stderr
@@ -221,7 +228,7 @@ def test_dry_run_applies_the_spmd_path_like_a_real_run(tmp_path):
         assert docs[backend]["backend"] == backend and [x["backend"] for x in docs[backend]["ranks"]] == [backend]
     # rank 0's FSDP dim-0 shard of the embedding: ceil(rows / 2048) rows of the full vocabulary (dtensor) or of
     # this tp rank's eighth (spmd_types); 16 bytes a parameter (fp32 parameter, gradient, two AdamW states)
-    spec, fsdp = load_model("llama3-8b"), plan.dp_shard
+    spec, fsdp = load_model(short), plan.dp_shard
     extra = (-(-spec.vocab_size // fsdp) - -(-spec.vocab_size // plan.tp // fsdp)) * spec.dim * 16
     assert docs["dtensor"]["worst_state_bytes"] - docs["spmd_types"]["worst_state_bytes"] == extra
     # the text report names the backend in its first line (checked on a small model with TP x FSDP and compile too:
