@@ -10,6 +10,8 @@ per-layout memo, links per mesh, step time only where memory fits and lazily ove
 side by side in one session: in-process 1.43 -> 0.89 s (medians of 4 alternating processes x 5 runs; this script
 alone printed 0.71 s), CLI cold 2.42 -> 1.69 s (medians of 4 alternating runs), deepseek-v3-671b 9.2 -> 4.2 s (one
 run each; peak RSS 1,100 -> 878 MiB); every candidate that fits scored bit-identically.
+2026-12-08, dense.yaml's interleaved chunks 2 / 4 -> 2 / 4 / 8 (106,560 -> 121,920 candidates): in-process 0.79 ->
+0.84 s (medians of 4 alternating rounds x 3 runs, one process); this script alone printed 0.87 s, CLI cold 1.73 s.
 """
 from __future__ import annotations
 
