@@ -79,6 +79,10 @@ def format_breakdown(est: Estimates, i: int) -> str:
     lines.append(f"  {'step':<13}{est.step_time_s[i]:10.4f}")
     lines.append(f"conservative (p90) bounds: step {est.step_time_p90_s[i]:.4f} s, "
                  f"peak {est.peak_memory_p90_bytes[i] / GiB:.3f} GiB")
+    if est.fits[i] and est.peak_memory_p90_bytes[i] > est.capacity_bytes:
+        lines.append(f"note: the p90 peak is over the usable {est.capacity_bytes / GiB:.1f} GiB: by the memory model's "
+                     f"validation residuals, a 1-in-10 chance or more that this layout runs out of memory "
+                     f"(titan-plan --rank-by p90 keeps to layouts whose bound fits)")
     gaps = uncovered_at(est.uncovered, i)
     lines.append("validation: " + ("every term and regime it leans on is covered by published runs" if not gaps else
                                    "no published run covers " + "; ".join(gaps)

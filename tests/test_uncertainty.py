@@ -142,3 +142,26 @@ def test_the_estimate_report_and_its_json_say_what_no_published_run_covers(tmp_p
     assert doc["predicted"]["not_validated"] == ["DualPipeV on a dense model"]
     plain = planner_cli(*common, "--schedule", "1F1B")
     assert "validation: every term and regime it leans on is covered by published runs" in plain.stdout, plain.stdout
+
+
+def test_the_breakdown_says_when_the_p90_peak_is_over_the_usable_memory():
+    """A candidate that fits by its point estimate but whose conservative peak does not gets one 'note:' line naming
+    the usable memory and --rank-by p90; with the bound inside the usable memory there is no such line."""
+    from cost_models.estimate import GIB
+    from cost_models.specs import hardware_from_dict
+    from planner.report import format_breakdown
+    model, wl, table = load_model("llama3-8b"), Workload(seq_len=8192, global_batch=32), _table()
+    base = load_hardware("h100-sxm")
+    first = estimate(table, model, base, wl)
+    peak, p90 = float(first.peak_memory_bytes[0]), float(first.peak_memory_p90_bytes[0])
+    assert peak < p90
+
+    def report(usable_bytes):
+        hw = hardware_from_dict({**base.to_dict(), "memory_gib": base.memory_reserved_gib + usable_bytes / GIB})
+        est = estimate(table, model, hw, wl)
+        assert bool(est.fits[0])
+        return [ln for ln in format_breakdown(est, 0).splitlines() if ln.startswith("note: the p90 peak")]
+
+    between = report((peak + p90) / 2)
+    assert len(between) == 1 and "usable" in between[0] and "--rank-by p90" in between[0], between
+    assert report(1.01 * p90) == []
