@@ -465,7 +465,10 @@ def rank_params(table, model, weighted: bool = False, experts_tp_split: bool = T
                  + np.where(has_head, mtp_extra, 0.0) + mtp_emb)
         out[f"{which}_dense"] = dense
         out[f"{which}_expert"] = nm * moe_expert
-        out[f"{which}_unit"] = np.maximum.reduce([dense_block * (nd > 0), moe_dense + moe_expert * (nm > 0),
+        # the largest block (a transformer layer's FSDP unit) and the largest unit with the end stages' embedding
+        # and head: a pipeline's backward re-gathers blocks, the embedding only after the blocks' backward
+        out[f"{which}_block_unit"] = np.maximum(dense_block * (nd > 0), moe_dense + moe_expert * (nm > 0))
+        out[f"{which}_unit"] = np.maximum.reduce([out[f"{which}_block_unit"],
                                                   np.where(has_emb, emb, 0.0), np.where(has_head, head, 0.0)])
         # the largest single parameter tensor of the rank (a per-tensor temporary is this big at most)
         out[f"{which}_tensor"] = np.maximum.reduce([dense_tensor * (nd > 0), moe_tensor * (nm > 0),

@@ -120,13 +120,14 @@ def memory_by_rank(table, model, workload, coeffs, *, caching_allocator: bool = 
     results = {}
     for which in RANKS:
         if workload.state_layout == "fsdp2":
-            params, grads, optimizer, fsdp, fsdp_at_turn = _fsdp2_state_bytes(table, model, workload, rp, which,
-                                                                              shared["dense_act"])
+            params, grads, optimizer, fsdp, fsdp_at_turn, end_rs = _fsdp2_state_bytes(
+                table, model, workload, rp, which, shared["dense_act"], caching_allocator)
         else:
-            params, grads, optimizer, fsdp, fsdp_at_turn = _megatron_state_bytes(table, workload, rp, which,
-                                                                                 caching_allocator)
-        acts, logits = _activation_bytes(table, model, rp, which, shared, coeffs, caching_allocator,
-                                         fsdp, fsdp_at_turn, workload.pp_weighted)
+            params, grads, optimizer, fsdp, fsdp_at_turn, end_rs = _megatron_state_bytes(table, workload, rp, which,
+                                                                                         caching_allocator)
+        acts, logits, freed = _activation_bytes(table, model, rp, which, shared, coeffs, caching_allocator,
+                                                fsdp, fsdp_at_turn, workload.pp_weighted)
+        fsdp = fsdp + np.maximum(0.0, end_rs - freed)     # the deferred reduce-scatters' excess over what is freed
         if workload.state_layout == "fsdp2" and model.is_moe and not workload.moe_ffn_tp_split:
             # titan-run's sum of the MoE gradients over TP after backward, when the activations are gone: one
             # bucket's flat copy at a time (data_parallel.MOE_TP_BUCKET_BYTES); only its excess over the turn's
@@ -195,9 +196,13 @@ def dtensor_embedding_grad_full(table) -> np.ndarray:
     return (table.tp > 1) & (table.backend == BACKENDS.index("dtensor")) & ~table.compile.astype(bool)
 
 
-def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tuple[np.ndarray, ...]:
-    """(params, grads, optimizer, fsdp buffers, fsdp buffers at the loss turn) of rank `which`
-    under the fsdp2 layout: fp32 master parameters, gradients and AdamW moments, all sharded."""
+def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act,
+                       caching_allocator: bool = True) -> tuple[np.ndarray, ...]:
+    """(params, grads, optimizer, fsdp buffers, fsdp buffers at the loss turn, the deferred reduce-scatters'
+    buffers) of rank `which` under the fsdp2 layout: fp32 master parameters, gradients and AdamW moments, all
+    sharded.  Without a caching allocator (CPU: allocated bytes) the phases that follow the blocks' backward --
+    the embedding's re-gather, a deferred sync's reduce-scatters -- reuse what that backward freed; on GPU the
+    reserved segments of both phases add up (the TorchTitan 405B PP rows' measured peaks need them)."""
     # the executor applies FSDP when some rank shares the data-parallel work, or on one rank for
     # bf16 mixed precision (executor/parallel/__init__.py: uses_fsdp)
     fsdp_applied = (table.dp_cp > 1) | (workload.dtype != "fp32")
@@ -223,12 +228,20 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
     # batches and re-gathers each block in every backward, with the next block prefetched;
     # each gather holds its flat all-gather output next to the unsharded copy-out
     # (measured, fsdp2 x pp2 1F1B on gloo: 4 x 3 MiB of a 3 MiB block at the peak).
+    # The blocks are re-gathered during the blocks' backward; the embedding's unit only after it, when that
+    # micro-batch's activations are freed (dry run, llama3-8b widths, pp 2 x fsdp 2, 2 blocks a stage: the
+    # stage's blocks gathered at the peak, not the embedding; docs/memory_audit.md, 'Open: FSDP2 ...').
     regather = accumulate_unsharded & ~v_sched & table.reshard_after_forward & (fsdp_group > 1)
-    gathered = np.where(regather, np.maximum(gathered, 4.0 * e * unit), gathered)
+    regathered = rp[f"{which}_unit"] if caching_allocator else rp[f"{which}_block_unit"]
+    gathered = np.where(regather, np.maximum(gathered, 4.0 * e * regathered), gathered)
     # The reduce-scatter buffers of a block exist in backward while that block's saved
     # activations are being freed, so only their excess over one layer's activations
-    # raises the peak (which sits at the forward/backward turn).
-    rs_exposed = np.maximum(0.0, rs - dense_act)
+    # raises the peak (which sits at the forward/backward turn).  A deferred sync reduce-scatters
+    # after the last micro-batch's backward, when the activations are gone: `end_rs`, weighed
+    # against the whole activation peak in `memory_by_rank`.
+    deferred = accumulate_unsharded & (not caching_allocator)
+    rs_exposed = np.where(deferred, 0.0, np.maximum(0.0, rs - dense_act))
+    end_rs = np.where(fsdp_applied & deferred, rs, 0.0)
     fsdp = np.where(fsdp_applied, gathered + rs_exposed, 0.0)
     # ... but at the loss turn of each micro-batch the blocks are resharded again (reshard after
     # forward; the schedule turns off only the reshard after backward): the root's head and one
@@ -244,7 +257,7 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act) -> tup
     # one [128256, 8192] fp32 gradient, 3.91 GiB, where the shard is 0.49 GiB).
     extra = np.where(accumulate_unsharded & fsdp_applied & rp[f"{which}_has_emb"] & dtensor_embedding_grad_full(table),
                      4.0 * model.vocab_size * model.dim * (1.0 - 1.0 / table.tp), 0.0)
-    return params, grads, optimizer, fsdp + extra, fsdp_at_turn + extra
+    return params, grads, optimizer, fsdp + extra, fsdp_at_turn + extra, end_rs
 
 
 def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bool = False) -> tuple[np.ndarray, ...]:
@@ -302,7 +315,7 @@ def _megatron_state_bytes(table, workload, rp, which: str, caching_allocator: bo
         else:
             optimizer = optimizer + 4.0 * local                           # the step's fp32 gradients
     fsdp = fsdp_at_turn = np.zeros(len(table))
-    return params, grads, optimizer, fsdp, fsdp_at_turn
+    return params, grads, optimizer, fsdp, fsdp_at_turn, fsdp
 
 
 def deepspeed_step_segments(table, workload, shard, largest) -> np.ndarray:
@@ -359,8 +372,8 @@ def deepspeed_step_segments(table, workload, shard, largest) -> np.ndarray:
 
 
 def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, caching_allocator: bool,
-                      fsdp, fsdp_at_turn, weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(activations, logits) of rank `which`: its in-flight micro-batches' blocks, the pipeline
+                      fsdp, fsdp_at_turn, weighted: bool = False) -> tuple[np.ndarray, ...]:
+    """(activations, logits, the part of both the step's last backward frees) of rank `which`: its in-flight micro-batches' blocks, the pipeline
     buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
     rank = rank_index(table, model, which, weighted)
     infl = rank_in_flight(table, model, which, weighted)
@@ -398,9 +411,9 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     grad_directions = table.stages_per_rank - rp[f"{which}_has_emb"] - handover
     sends = (out_directions * pipe["sends_out"] + grad_directions * pipe["sends_grad"]
              + np.where(grad_directions > 0, pipe["grads_held"], 0.0))
-    acts = ((infl * per_mb + working_set + pipe["deferred_w"]
-            + np.where(has_head, shared["head_extra"], 0.0)) * coeffs.activation_memory_scale
-            + (sends + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale)
+    own = (infl * per_mb + working_set + pipe["deferred_w"]
+           + np.where(has_head, shared["head_extra"], 0.0)) * coeffs.activation_memory_scale
+    acts = own + (sends + directions * pipe["recv"]) * coeffs.pipeline_buffer_memory_scale
     # the turn's tensors beyond the backward phase's may sit in what the resharded blocks left free
     turn_excess = np.maximum(0.0, (transient - working_set) - (fsdp - fsdp_at_turn))
     logits = np.where(has_head, shared["logits_head"] - shared["logits_turn"], 0.0) + turn_excess
@@ -422,8 +435,11 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     first_block = np.where(nd > 0, shared["dense_act"], shared["moe_act"])
     freed = np.maximum(0.0, blocks - first_block) * coeffs.activation_memory_scale
     local = rp[f"{which}_dense"] + rp[f"{which}_expert"]
-    gathered_later = np.maximum(0.0, e * local - 4.0 * e * rp[f"{which}_unit"])
+    gathered_later = np.maximum(0.0, e * local - 4.0 * e * rp[f"{which}_block_unit" if not caching_allocator
+                                                             else f"{which}_unit"])
     credit = np.minimum(np.minimum(freed, gathered_later),
                         np.maximum(0.0, (working_set + fsdp) - (transient + fsdp_at_turn)))
     acts = acts - np.where(regather, credit, 0.0)
-    return acts, logits
+    # what the step's last backward has freed: the blocks' and the head's tensors, not the pipeline's send and
+    # receive buffers, which may be kept to the step's end
+    return acts, logits, np.maximum(0.0, own - np.where(regather, credit, 0.0)) + logits

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,19 +240,28 @@ def test_torchtitan_405b_pp_rows_micro_batch_mapping():
 
 
 @pytest.mark.parametrize("plan", [Plan(dp_shard=2, pp=2, n_microbatches=2, ac="full")])
-def test_step_peak_of_both_pipeline_ranks_within_10_percent_of_the_dry_run(tmp_path, plan):
+@pytest.mark.parametrize("n_layers", [32, 4])
+def test_step_peak_of_both_pipeline_ranks_within_10_percent_of_the_dry_run(tmp_path, plan, n_layers):
     """FakeTensor step peak (titan-run --dry-run --memory, tp = 1 where the tracker counts local tensors)
     of the first and the loss rank against the allocated-bytes model: the loss rank's turn holds the
-    head gathered, not the stage (was +27% on llama3-8b pp 2 at 8K)."""
+    head gathered, not the stage (was +27% on llama3-8b pp 2 at 8K).  With llama3-8b's widths and two blocks
+    a stage the embedding is the largest FSDP unit: its re-gather and the deferred reduce-scatters come after
+    the blocks' backward, not on top of it (was +38% / +21%; docs/memory_audit.md)."""
     wl = {"seq_len": 8192, "global_batch": plan.global_batch()}
+    model = "llama3-8b"
+    if n_layers != 32:
+        spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "cost_models/presets/models/llama3-8b.yaml")
+                              .read_text())
+        model = str(tmp_path / f"llama3-8b-{n_layers}layers.yaml")
+        Path(model).write_text(yaml.safe_dump({**spec, "n_layers": n_layers}))
     f = tmp_path / "plan.yaml"
-    f.write_text(yaml.safe_dump({"model": "llama3-8b", "workload": wl, "plan": plan.to_dict()}))
+    f.write_text(yaml.safe_dump({"model": model, "workload": wl, "plan": plan.to_dict()}))
     per_stage = plan.world_size // plan.pp
     r = subprocess.run([sys.executable, "-m", "executor.dry_run", "--plan", str(f), "--json", "--memory", "--ranks",
                         f"0,{per_stage}"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     got = {x["rank"]: x["memory_estimate"]["total"] for x in json.loads(r.stdout.strip().splitlines()[-1])["ranks"]}
-    ana = memory_by_rank(CandidateTable.from_plans([plan]), load_model("llama3-8b"), Workload(**wl), Coefficients(),
+    ana = memory_by_rank(CandidateTable.from_plans([plan]), load_model(model), Workload(**wl), Coefficients(),
                          caching_allocator=False)
     for which, rank in (("first", 0), ("last", per_stage)):
         total = sum(float(v[0]) for v in ana[which].values())
