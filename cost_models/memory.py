@@ -228,17 +228,18 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act,
     # batches and re-gathers each block in every backward, with the next block prefetched;
     # each gather holds its flat all-gather output next to the unsharded copy-out
     # (measured, fsdp2 x pp2 1F1B on gloo: 4 x 3 MiB of a 3 MiB block at the peak).
-    # The blocks are re-gathered during the blocks' backward; the embedding's unit only after it, when that
-    # micro-batch's activations are freed (dry run, llama3-8b widths, pp 2 x fsdp 2, 2 blocks a stage: the
-    # stage's blocks gathered at the peak, not the embedding; docs/memory_audit.md, 'Open: FSDP2 ...').
+    # In allocated bytes the blocks are re-gathered during the blocks' backward, the embedding's unit only after
+    # it, when that micro-batch's activations are freed (dry run, llama3-8b widths, pp 2 x fsdp 2, 2 blocks a
+    # stage: the stage's blocks gathered at the peak, not the embedding; docs/memory_audit.md, "FSDP2 with the
+    # pipeline's deferred gradient sync and few blocks per stage"); on GPU the largest unit's, as before.
     regather = accumulate_unsharded & ~v_sched & table.reshard_after_forward & (fsdp_group > 1)
     regathered = rp[f"{which}_unit"] if caching_allocator else rp[f"{which}_block_unit"]
     gathered = np.where(regather, np.maximum(gathered, 4.0 * e * regathered), gathered)
     # The reduce-scatter buffers of a block exist in backward while that block's saved
     # activations are being freed, so only their excess over one layer's activations
     # raises the peak (which sits at the forward/backward turn).  A deferred sync reduce-scatters
-    # after the last micro-batch's backward, when the activations are gone: `end_rs`, weighed
-    # against the whole activation peak in `memory_by_rank`.
+    # after the last micro-batch's backward: in allocated bytes `end_rs`, which `memory_by_rank`
+    # counts only beyond what that backward freed.
     deferred = accumulate_unsharded & (not caching_allocator)
     rs_exposed = np.where(deferred, 0.0, np.maximum(0.0, rs - dense_act))
     end_rs = np.where(fsdp_applied & deferred, rs, 0.0)
@@ -373,8 +374,9 @@ def deepspeed_step_segments(table, workload, shard, largest) -> np.ndarray:
 
 def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, caching_allocator: bool,
                       fsdp, fsdp_at_turn, weighted: bool = False) -> tuple[np.ndarray, ...]:
-    """(activations, logits, the part of both the step's last backward frees) of rank `which`: its in-flight micro-batches' blocks, the pipeline
-    buffers, the backward working set and the loss turn's tensors (`_shared_activation_terms`)."""
+    """(activations, logits, the part of both the step's last backward frees) of rank `which`: its in-flight
+    micro-batches' blocks, the pipeline buffers, the backward working set and the loss turn's tensors
+    (`_shared_activation_terms`)."""
     rank = rank_index(table, model, which, weighted)
     infl = rank_in_flight(table, model, which, weighted)
     pipe, working_set, head_act = shared["pipe"], shared["working_set"], shared["head_act"]
