@@ -196,6 +196,12 @@ def dtensor_embedding_grad_full(table) -> np.ndarray:
     return (table.tp > 1) & (table.backend == BACKENDS.index("dtensor")) & ~table.compile.astype(bool)
 
 
+def _regathered_unit(rp, which: str, caching_allocator: bool) -> np.ndarray:
+    """Parameters of the FSDP unit a pipelined backward re-gathers at its peak (`_fsdp2_state_bytes`): the largest
+    block in allocated bytes, the largest unit (the embedding or head where larger) on a caching allocator."""
+    return rp[f"{which}_unit"] if caching_allocator else rp[f"{which}_block_unit"]
+
+
 def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act,
                        caching_allocator: bool = True) -> tuple[np.ndarray, ...]:
     """(params, grads, optimizer, fsdp buffers, fsdp buffers at the loss turn, the deferred reduce-scatters'
@@ -233,8 +239,8 @@ def _fsdp2_state_bytes(table, model, workload, rp, which: str, dense_act,
     # stage: the stage's blocks gathered at the peak, not the embedding; docs/memory_audit.md, "FSDP2 with the
     # pipeline's deferred gradient sync and few blocks per stage"); on GPU the largest unit's, as before.
     regather = accumulate_unsharded & ~v_sched & table.reshard_after_forward & (fsdp_group > 1)
-    regathered = rp[f"{which}_unit"] if caching_allocator else rp[f"{which}_block_unit"]
-    gathered = np.where(regather, np.maximum(gathered, 4.0 * e * regathered), gathered)
+    gathered = np.where(regather, np.maximum(gathered, 4.0 * e * _regathered_unit(rp, which, caching_allocator)),
+                        gathered)
     # The reduce-scatter buffers of a block exist in backward while that block's saved
     # activations are being freed, so only their excess over one layer's activations
     # raises the peak (which sits at the forward/backward turn).  A deferred sync reduce-scatters
@@ -437,8 +443,7 @@ def _activation_bytes(table, model, rp, which: str, shared: dict, coeffs, cachin
     first_block = np.where(nd > 0, shared["dense_act"], shared["moe_act"])
     freed = np.maximum(0.0, blocks - first_block) * coeffs.activation_memory_scale
     local = rp[f"{which}_dense"] + rp[f"{which}_expert"]
-    gathered_later = np.maximum(0.0, e * local - 4.0 * e * rp[f"{which}_block_unit" if not caching_allocator
-                                                             else f"{which}_unit"])
+    gathered_later = np.maximum(0.0, e * local - 4.0 * e * _regathered_unit(rp, which, caching_allocator))
     credit = np.minimum(np.minimum(freed, gathered_later),
                         np.maximum(0.0, (working_set + fsdp) - (transient + fsdp_at_turn)))
     acts = acts - np.where(regather, credit, 0.0)
